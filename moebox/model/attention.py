@@ -1,0 +1,182 @@
+"""DeepSeek-V4 attention over a flat batch: sliding window, CSA (compressed + lightning indexer) and HCA.
+
+Per token t the keys are the window (positions t-W+1..t) plus, in compressed layers, entries of closed
+windows w < (t+1)//ratio (HCA: all of them; CSA: the indexer's top-k). Keys are also the values.
+Cache I/O happens per segment: a segment reads what earlier steps stored for its slot, attends over that
+plus its own new rows, then stores its newest rows (see model/cache.py for why rollback is free).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moebox.config import CSA, SLIDING, ModelConfig
+from moebox.model.batch import FlatBatch, Segment
+from moebox.model.cache import KVCache, LayerCache, ring_read, ring_write
+from moebox.ops.attention import sink_attention
+from moebox.ops.compress import pool_windows
+from moebox.ops.linear import Weight, dense_weight, linear
+from moebox.ops.norm import rms_norm
+from moebox.ops.qat import round_index_vectors, round_kv_nope
+from moebox.ops.rope import apply_rope, rope_inv_freq
+
+WeightSource = Callable[[str], Weight]
+
+
+class Compressor:
+    """Pools every `ratio` tokens into one entry of width `dim` (the main compressor or the indexer's)."""
+
+    def __init__(self, get: WeightSource, prefix: str, *, ratio: int, overlap: bool, inv_freq: torch.Tensor,
+                 eps: float, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.wkv, self.wgate = get(prefix + "wkv.weight"), get(prefix + "wgate.weight")
+        self.ape, self.norm = get(prefix + "ape"), get(prefix + "norm.weight")
+        self.ratio, self.overlap, self.inv_freq, self.eps, self.finish = ratio, overlap, inv_freq, eps, finish
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw per-token projections in fp32; the gate gets ape only when pooled."""
+        xf = x.float()
+        return linear(xf, self.wkv), linear(xf, self.wgate)
+
+    def entries_for(self, seg: Segment, kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor | None,
+                    ring_gate: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries of the windows that close inside `seg` -> (window ids [nw], entries [nw, dim]).
+
+        kv/gate are this segment's rows; earlier rows a window still needs come from the rings, which are
+        then updated with the segment's rows.
+        """
+        r = self.ratio
+        w_lo, w_hi = seg.start // r, (seg.end + 1) // r - 1
+        windows = torch.arange(w_lo, w_hi + 1, device=kv.device)
+        dev = kv.device
+        if windows.numel():
+            first = max(0, (w_lo - (1 if self.overlap else 0)) * r)
+            if first < seg.start:
+                assert ring_kv is not None and ring_gate is not None, "positions before the segment need a cache"
+                old = torch.arange(first, seg.start, device=dev)
+                kv_rows = torch.cat([ring_read(ring_kv, seg.slot, old), kv])
+                gate_rows = torch.cat([ring_read(ring_gate, seg.slot, old), gate])
+            else:
+                kv_rows, gate_rows = kv, gate
+            pos = torch.arange(first, seg.end + 1, device=dev)
+            gate_rows = gate_rows + self.ape.float()[pos % r]
+            pooled = pool_windows(kv_rows, gate_rows, first, windows, r, self.overlap)
+            e = rms_norm(pooled, self.norm, self.eps)
+            e = apply_rope(e, windows * r, self.inv_freq)
+            if self.finish is not None:
+                e = self.finish(e)
+            entries = e.to(out_dtype)
+        else:
+            entries = kv.new_zeros((0, kv.shape[-1] // (2 if self.overlap else 1)), dtype=out_dtype)
+        if ring_kv is not None:
+            positions = torch.arange(seg.start, seg.end + 1, device=dev)
+            ring_write(ring_kv, seg.slot, positions, kv)
+            ring_write(ring_gate, seg.slot, positions, gate)
+        return windows, entries
+
+
+def _visible_entries(store: torch.Tensor | None, slot: int, windows: torch.Tensor, new: torch.Tensor,
+                     n_visible: int) -> torch.Tensor:
+    """Entries 0..n_visible-1 of a slot: write the new ones into the cache (if any) and read them all back."""
+    if store is None:
+        return new[:n_visible]
+    if windows.numel():
+        store[slot, windows] = new
+    return store[slot, :n_visible]
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, get: WeightSource, prefix: str, kind: str, ratio: int, qat: bool) -> None:
+        self.cfg, self.kind, self.ratio, self.qat = cfg, kind, ratio, qat
+        g = lambda n: get(prefix + n)  # noqa: E731
+        self.wq_a, self.q_norm, self.wq_b = g("wq_a.weight"), g("q_norm.weight"), g("wq_b.weight")
+        self.wkv, self.kv_norm = g("wkv.weight"), g("kv_norm.weight")
+        self.wo_a, self.wo_b, self.sink = g("wo_a.weight"), g("wo_b.weight"), g("attn_sink")
+        theta, yarn = cfg.layer_rope(kind)
+        self.inv_freq = rope_inv_freq(cfg.rope_head_dim, theta, yarn)
+        self.compressor = self.indexer = None
+        eps = cfg.rms_norm_eps
+        if kind != SLIDING:
+            finish = (lambda e: round_kv_nope(e, cfg.nope_head_dim)) if qat else None
+            self.compressor = Compressor(get, prefix + "compressor.", ratio=ratio, overlap=kind == CSA,
+                                         inv_freq=self.inv_freq, eps=eps, finish=finish)
+        if kind == CSA:
+            self.index_wq_b = g("indexer.wq_b.weight")
+            self.index_weights_proj = g("indexer.weights_proj.weight")
+            self.indexer = Compressor(get, prefix + "indexer.compressor.", ratio=ratio, overlap=True,
+                                      inv_freq=self.inv_freq, eps=eps, finish=round_index_vectors if qat else None)
+
+    # ------------------------------------------------------------------ projections over the whole batch
+    def __call__(self, x: torch.Tensor, batch: FlatBatch, cache: LayerCache | None) -> torch.Tensor:
+        cfg, pos = self.cfg, batch.positions
+        n = x.shape[0]
+        qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
+        q = linear(qr, self.wq_b).view(n, cfg.num_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), pos, self.inv_freq)
+        kv = apply_rope(rms_norm(linear(x, self.wkv), self.kv_norm, cfg.rms_norm_eps), pos, self.inv_freq)
+        if self.qat:
+            kv = round_kv_nope(kv, cfg.nope_head_dim)
+        comp = self.compressor.project(x) if self.compressor else None
+        idx = None
+        if self.indexer is not None:
+            qi = linear(qr, self.index_wq_b).view(n, cfg.index_n_heads, cfg.index_head_dim)
+            qi = apply_rope(qi, pos, self.inv_freq)
+            if self.qat:
+                qi = round_index_vectors(qi)
+            wi = linear(x, self.index_weights_proj).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+            idx = (qi, wi, self.indexer.project(x))
+
+        out = torch.empty_like(q)
+        for seg in batch.segments:
+            out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache)
+
+        out = apply_rope(out, pos, self.inv_freq, inverse=True)
+        groups = out.reshape(n, cfg.o_groups, -1)                                    # [N, g, nh/g * d]
+        wo_a = dense_weight(self.wo_a, x.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)
+        o = torch.einsum("ngd,grd->ngr", groups, wo_a).flatten(1)
+        return linear(o, self.wo_b)
+
+    # ------------------------------------------------------------------ one sequence's keys and attention
+    def _segment(self, seg: Segment, q: torch.Tensor, kv: torch.Tensor, comp, idx,
+                 cache: LayerCache | None) -> torch.Tensor:
+        cfg, W, dev = self.cfg, self.cfg.sliding_window, q.device
+        t = torch.arange(seg.start, seg.end + 1, device=dev)
+        old_from = max(0, seg.start - W + 1)
+        if cache is not None and old_from < seg.start:
+            old = torch.arange(old_from, seg.start, device=dev)
+            keys = torch.cat([ring_read(cache.window, seg.slot, old).to(kv.dtype), kv])
+            kpos = torch.cat([old, t])
+        else:
+            keys, kpos = kv, t
+        visible = (kpos[None, :] <= t[:, None]) & (kpos[None, :] > t[:, None] - W)
+        if cache is not None:
+            ring_write(cache.window, seg.slot, t, kv)
+
+        if self.compressor is not None:
+            ckv, cgate = comp[0][seg.rows], comp[1][seg.rows]
+            windows, new = self.compressor.entries_for(seg, ckv, cgate, cache and cache.raw_kv,
+                                                       cache and cache.raw_gate, kv.dtype)
+            n_vis = (seg.end + 1) // self.ratio
+            entries = _visible_entries(cache and cache.entries, seg.slot, windows, new, n_vis)
+            ent_visible = torch.arange(n_vis, device=dev)[None, :] < ((t + 1) // self.ratio)[:, None]
+            if self.indexer is not None:
+                ent_visible = ent_visible & self._select(seg, t, idx, cache, n_vis, ent_visible)
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            visible = torch.cat([visible, ent_visible], dim=1)
+        return sink_attention(q, keys, visible, self.sink, cfg.head_dim ** -0.5)
+
+    def _select(self, seg: Segment, t: torch.Tensor, idx, cache: LayerCache | None, n_vis: int,
+                valid: torch.Tensor) -> torch.Tensor:
+        """Lightning indexer: per query the top-k valid entries by sum_h w_h * relu(q_h . K_w)."""
+        qi, wi, (ikv, igate) = idx
+        windows, new = self.indexer.entries_for(seg, ikv[seg.rows], igate[seg.rows], cache and cache.index_raw_kv,
+                                                cache and cache.index_raw_gate, qi.dtype)
+        keys = _visible_entries(cache and cache.index_keys, seg.slot, windows, new, n_vis)
+        scores = torch.relu(torch.einsum("lhd,kd->lhk", qi[seg.rows].float(), keys.float()))
+        scores = (scores * wi[seg.rows].unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+        k = min(self.cfg.index_topk, n_vis)
+        chosen = torch.zeros_like(valid)
+        if k:
+            chosen.scatter_(1, scores.topk(k, dim=-1).indices, True)
+        return chosen

@@ -1,0 +1,58 @@
+"""A flat token batch: prefill chunks, decode steps and speculative verification are the same call.
+
+Tokens of several sequences lie back to back; each sequence contributes one contiguous `Segment` with
+consecutive positions, and its cache slot holds positions 0..start-1 already. No padding, no left padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    slot: int      # cache slot of the sequence
+    offset: int    # index of its first token in the flat batch
+    length: int
+    start: int     # absolute position of its first token
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.length)
+
+    @property
+    def end(self) -> int:
+        """Position of the last token."""
+        return self.start + self.length - 1
+
+
+@dataclass
+class FlatBatch:
+    tokens: torch.Tensor      # [N] long
+    positions: torch.Tensor   # [N] long
+    segments: list[Segment]
+
+    @classmethod
+    def build(cls, parts: list[tuple[int, int, list[int]]], device: torch.device | str = "cpu") -> "FlatBatch":
+        """parts: (slot, start position, token ids) per sequence."""
+        segments, tokens, positions, offset = [], [], [], 0
+        for slot, start, ids in parts:
+            if not ids:
+                raise ValueError(f"slot {slot}: empty segment")
+            segments.append(Segment(slot, offset, len(ids), start))
+            tokens.extend(ids)
+            positions.extend(range(start, start + len(ids)))
+            offset += len(ids)
+        return cls(torch.tensor(tokens, dtype=torch.long, device=device),
+                   torch.tensor(positions, dtype=torch.long, device=device), segments)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def last_rows(self) -> torch.Tensor:
+        """Flat index of each segment's last token (where next-token logits come from)."""
+        return torch.tensor([s.offset + s.length - 1 for s in self.segments], dtype=torch.long,
+                            device=self.tokens.device)

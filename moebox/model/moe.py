@@ -1,0 +1,35 @@
+"""The MoE feed-forward of every DeepSeek-V4 block: routed experts (hash or scored routing) + shared expert."""
+
+from __future__ import annotations
+
+import torch
+
+from moebox.config import ModelConfig
+from moebox.model.attention import WeightSource
+from moebox.ops.linear import Weight
+from moebox.ops.moe import mlp, route, routed_experts
+
+
+class MoE:
+    def __init__(self, cfg: ModelConfig, get: WeightSource, prefix: str, is_hash: bool) -> None:
+        self.cfg = cfg
+        self.gate = get(prefix + "gate.weight")
+        self.bias = None if is_hash else get(prefix + "gate.bias")
+        self.tid2eid = get(prefix + "gate.tid2eid") if is_hash else None
+        self.shared = tuple(get(f"{prefix}shared_experts.{w}.weight") for w in ("w1", "w3", "w2")) \
+            if cfg.n_shared_experts else None
+        self._get, self._prefix = get, prefix
+
+    def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
+        p = f"{self._prefix}experts.{e}."
+        return self._get(p + "w1.weight"), self._get(p + "w3.weight"), self._get(p + "w2.weight")
+
+    def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        idx, w = route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, tokens=tokens,
+                       top_k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
+                       norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+        out = routed_experts(x, idx, w, self.expert, cfg.swiglu_limit)
+        if self.shared is not None:
+            out = out + mlp(x, *self.shared, limit=None)   # the reference does not clamp the shared expert
+        return out

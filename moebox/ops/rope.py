@@ -1,0 +1,48 @@
+"""Partial, interleaved rotary embedding with optional YaRN, as DeepSeek-V4 uses it.
+
+RoPE covers the *trailing* `rope_dim` channels of a vector; channels (2i, 2i+1) form one complex pair.
+Sliding layers use plain RoPE (theta 1e4); compressed layers use theta 1.6e5 with YaRN and no mscale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moebox.config import YarnScaling
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
+    """[rope_dim/2] fp32 inverse frequencies (YaRN: ramp between extrapolated and /factor-interpolated)."""
+    exps = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    extrap = 1.0 / (theta ** exps)
+    if yarn is None:
+        return extrap
+    interp = extrap / yarn.factor
+
+    def correction_dim(rotations: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return interp * ramp + extrap * (1 - ramp)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2*len(inv_freq) channels of x [..., D] at `positions` (broadcast over x's
+    leading dims: positions has x.shape[0] entries). `inverse` applies the conjugate rotation."""
+    rd = inv_freq.numel() * 2
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]     # [N, rd/2]
+    shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (rd // 2,)
+    cos, sin = freqs.cos().view(shape), freqs.sin().view(shape)
+    if inverse:
+        sin = -sin
+    rope = x[..., -rd:].float()
+    a, b = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], rotated], dim=-1)
