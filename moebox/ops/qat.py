@@ -15,23 +15,24 @@ import torch
 from moebox.weights.formats import FP4_MAX, FP8_MAX, fp4_codes_from_values, fp4_values_from_codes, pow2_exponent
 
 
-def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
-    if x.shape[-1] % block:
-        raise ValueError(f"dim {x.shape[-1]} is not a multiple of the quantization block {block}")
-    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+def _blockwise_round(x: torch.Tensor, block: int, qmax: float, round_fn) -> torch.Tensor:
+    """Round x in blocks of `block` along the last dim with one power-of-two scale per block. A last partial
+    block (tiny test models: dims that are not multiples of the block) is zero-padded, which leaves its
+    scale and values as if it stood alone."""
+    d = x.shape[-1]
+    pad = -d % block
+    xb = torch.nn.functional.pad(x.float(), (0, pad)).reshape(*x.shape[:-1], (d + pad) // block, block)
+    s = torch.exp2(pow2_exponent(xb.abs().amax(-1, keepdim=True), qmax))
+    q = round_fn(xb / s) * s
+    return q.reshape(*x.shape[:-1], d + pad)[..., :d].to(x.dtype)
 
 
 def fp8_round(x: torch.Tensor, block: int = 64) -> torch.Tensor:
-    xb = _blocked(x, block)
-    s = torch.exp2(pow2_exponent(xb.abs().amax(-1, keepdim=True), FP8_MAX))
-    return ((xb / s).to(torch.float8_e4m3fn).float() * s).reshape(x.shape).to(x.dtype)
+    return _blockwise_round(x, block, FP8_MAX, lambda v: v.to(torch.float8_e4m3fn).float())
 
 
 def fp4_round(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    xb = _blocked(x, block)
-    s = torch.exp2(pow2_exponent(xb.abs().amax(-1, keepdim=True), FP4_MAX))
-    q = fp4_values_from_codes(fp4_codes_from_values(xb / s)) * s
-    return q.reshape(x.shape).to(x.dtype)
+    return _blockwise_round(x, block, FP4_MAX, lambda v: fp4_values_from_codes(fp4_codes_from_values(v)))
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The `moebox` command line.
+
+Subcommands register themselves in `COMMANDS` (name -> `Command`), so new ones (e.g. `generate`) plug in
+without touching the dispatcher. A `MoeboxError` is the user's problem explained in one line: it is printed as
+`moebox: error: <message>` with exit status 2 and no traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from moebox.errors import MoeboxError
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, command: Command) -> None:
+    COMMANDS[name] = command
+
+
+def _configure_synth(p: argparse.ArgumentParser) -> None:
+    from moebox.weights.synth import PRESETS
+    p.add_argument("--preset", required=True, choices=PRESETS, help="model size")
+    p.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed -> same bytes)")
+    p.add_argument("--layers", type=int, default=None, help="number of main layers (default: the preset's)")
+
+
+def _run_synth(args: argparse.Namespace) -> int:
+    from moebox.weights.synth import write_synthetic
+    out = write_synthetic(args.out, args.preset, seed=args.seed, layers=args.layers)
+    print(f"wrote synthetic {args.preset} checkpoint (seed {args.seed}) to {out}")
+    return 0
+
+
+def _configure_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (config.json + safetensors)")
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from moebox.weights.checkpoint import Checkpoint
+    ckpt = Checkpoint(args.model)
+    ckpt.validate()
+    cfg = ckpt.config
+    kinds = ", ".join(f"{cfg.attn_types.count(k)} {k}" for k in ("sliding", "csa", "hca") if k in cfg.attn_types)
+    mtp = ""
+    if cfg.num_mtp_layers:
+        mtp = f" + {cfg.num_mtp_layers} MTP" if ckpt.layout == "official" else " (no MTP weights: HF layout)"
+    print(f"{args.model}: ok: layout {ckpt.layout}, {cfg.num_layers} layers ({kinds}){mtp}, "
+          f"{len(ckpt.names())} tensors ({ckpt.num_stored()} stored), {ckpt.nbytes / 2**20:.1f} MiB "
+          f"in {len(ckpt.files)} files")
+    return 0
+
+
+register("synth", Command("write a deterministic synthetic checkpoint", _configure_synth, _run_synth))
+register("check", Command("validate a checkpoint (config, index, headers, tensor schema)", _configure_check,
+                          _run_check))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moebox", description="DeepSeek-V4 MoE inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, cmd in COMMANDS.items():
+        cmd.configure(sub.add_parser(name, help=cmd.help, description=cmd.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except MoeboxError as e:
+        print(f"moebox: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The offline API: `LLM(model=...)`, `generate(prompts, SamplingParams)` and `logits(token_ids)`.
+
+Generation runs every active sequence in one flat batch per step (prefill segments first, then one-token
+decode segments), each sequence in its own cache slot; more prompts than slots run in waves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tokenizers import Tokenizer
+
+from moebox.errors import MoeboxError
+from moebox.model.batch import FlatBatch
+from moebox.runtime.loader import load_model
+from moebox.runtime.sampler import SamplingParams, sample_token
+
+log = logging.getLogger("moebox")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list[int]
+    text: str
+    finish_reason: str          # "stop" (EOS / stop string / stop token) or "length"
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+
+@dataclass
+class _Seq:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    slot: int = -1
+    out_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.out_ids)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise MoeboxError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 8,
+                 seed: int = 0, load_mtp: bool = True, progress: bool = True) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise MoeboxError("device='cuda' but no CUDA device is available; use device='cpu'")
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model, self.checkpoint = load_model(model, device=self.device, dtype=self.dtype,
+                                                 kv_cache_dtype=kv_cache_dtype, load_mtp=load_mtp, progress=progress)
+        self.config = self.model.cfg
+        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
+        if self.max_model_len > self.config.max_position_embeddings:
+            raise MoeboxError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                              f"{self.config.max_position_embeddings}")
+        self.max_num_seqs = max_num_seqs
+        self.cache = self.model.new_cache(max_num_seqs, self.max_model_len, self.device)
+        tok_path = Path(model) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+        self._generator = torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------ tokens
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, starting with BOS (added unless the text already starts with it)."""
+        if self.tokenizer is None:
+            raise MoeboxError(f"{self.checkpoint.dir}: no tokenizer.json; pass token-id lists instead of strings")
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.config.bos_token_id
+        return ids if ids[:1] == [bos] else [bos] + ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _check_ids(self, ids: Sequence[int], max_tokens: int) -> list[int]:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise MoeboxError("empty prompt: give at least one token")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise MoeboxError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise MoeboxError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds max_model_len "
+                              f"{self.max_model_len}")
+        return ids
+
+    # ------------------------------------------------------------------ analysis
+    @torch.inference_mode()
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Full-sequence next-token logits [len, vocab] (fp32) for one token sequence, without a cache."""
+        ids = self._check_ids(token_ids, 0)
+        batch = FlatBatch.build([(0, 0, ids)], self.device)
+        return self.model.forward(batch, None, logits_rows=torch.arange(len(ids), device=self.device)).logits
+
+    # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise MoeboxError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
+            seqs.append(_Seq(i, self._check_ids(ids, p.max_tokens), p, gen))
+        for start in range(0, len(seqs), self.max_num_seqs):
+            self._run_wave(seqs[start:start + self.max_num_seqs])
+        return [RequestOutput(p if isinstance(p, str) else None, s.prompt_ids,
+                              [CompletionOutput(s.out_ids, s.text, s.finish or "length")])
+                for p, s in zip(prompts, seqs)]
+
+    def _run_wave(self, seqs: list[_Seq]) -> None:
+        for slot, s in enumerate(seqs):
+            s.slot = slot
+        parts = [(s.slot, 0, s.prompt_ids) for s in seqs]
+        while parts:
+            logits = self.model.forward(FlatBatch.build(parts, self.device), self.cache).logits
+            active = [s for s in seqs if s.finish is None]
+            for s, row in zip(active, logits):
+                self._append(s, sample_token(row, s.params, s.generator))
+            parts = [(s.slot, s.length - 1, [s.out_ids[-1]]) for s in active if s.finish is None]
+
+    def _append(self, s: _Seq, token: int) -> None:
+        p = s.params
+        s.out_ids.append(token)
+        if (token in self.config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            s.finish = "stop"
+        if self.tokenizer is not None:
+            s.text = self.decode(s.out_ids if s.finish is None else s.out_ids[:-1])
+            hits = [s.text.find(x) for x in p.stop if x in s.text]
+            if hits:
+                s.text, s.finish = s.text[:min(hits)], "stop"
+        if s.finish is None and len(s.out_ids) >= p.max_tokens:
+            s.finish = "length"

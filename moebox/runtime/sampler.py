@@ -1,0 +1,61 @@
+"""Per-request sampling parameters and the torch reference sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+
+def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, min-p and top-p masks (masked entries -inf). logits: [V] fp32."""
+    x = logits.float() / p.temperature
+    if p.top_k > 0 and p.top_k < x.numel():
+        kth = x.topk(p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.min_p > 0:
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        cum = sorted_p.cumsum(0)
+        drop_sorted = cum - sorted_p >= p.top_p           # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    if p.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(filtered_logits(logits, p), dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
