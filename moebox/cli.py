@@ -8,6 +8,7 @@ without touching the dispatcher. A `MoeboxError` is the user's problem explained
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -63,6 +64,38 @@ def _run_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory (default: the built-in demo model, written on first use)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several prompts)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "model"),
+                   help="auto: follow the checkpoint (FP8 KV rounding for the official layout)")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from moebox import LLM, SamplingParams
+    from moebox.demo import demo_model_dir
+    model = args.model or demo_model_dir()
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except ValueError as e:
+        raise MoeboxError(f"sampling flags: {e}") from None
+    llm = LLM(model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    for out in llm.generate(args.prompt, params):
+        print(f"--- {out.prompt!r} -> {len(out.token_ids)} tokens ({out.outputs[0].finish_reason})")
+        print(out.text)
+    return 0
+
+
+register("generate", Command("generate text offline (no server)", _configure_generate, _run_generate))
 register("synth", Command("write a deterministic synthetic checkpoint", _configure_synth, _run_synth))
 register("check", Command("validate a checkpoint (config, index, headers, tensor schema)", _configure_check,
                           _run_check))
@@ -78,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s moebox %(levelname)s %(message)s")
     try:
         return COMMANDS[args.command].run(args)
     except MoeboxError as e:

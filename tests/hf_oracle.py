@@ -129,5 +129,10 @@ class HFMTPReference(nn.Module):
 
 def hf_final_residual(model: DeepseekV4ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """The last decoder layer's output [S, hc, H] (the pre-HC-head residual the MTP block reads)."""
-    out = model(ids.unsqueeze(0), output_hidden_states=True)
-    return out.hidden_states[-1][0]
+    captured = []
+    hook = model.model.layers[-1].register_forward_hook(lambda mod, args, out: captured.append(out))
+    try:
+        model(ids.unsqueeze(0))
+    finally:
+        hook.remove()
+    return captured[0][0]

@@ -65,13 +65,22 @@ def quant_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tup
 
 # ---------------------------------------------------------------- FP4 e2m1, 1x32 row blocks
 def fp4_codes_from_values(x: torch.Tensor) -> torch.Tensor:
-    """Round scaled values to the nearest e2m1 code (ties to the even code, as hardware rounding does)."""
-    mag = x.abs().clamp(max=FP4_MAX)
-    down = torch.bucketize(mag, _FP4_MIDPOINTS, right=False)   # ties go to the lower code
-    up = torch.bucketize(mag, _FP4_MIDPOINTS, right=True)      # ties go to the upper code
-    code = torch.where((down != up) & (up % 2 == 0), up, down)
-    sign = (x < 0) | ((x == 0) & torch.signbit(x))
-    return (code | (sign.to(code.dtype) << 3)).to(torch.uint8)
+    """Round scaled values to the nearest e2m1 code (ties to the even code, as hardware rounding does).
+
+    Magnitudes are clamped to 6 (NaN counts as 6, with a + sign); the sign bit is set for negative values
+    and for -0.0, so a negative value that rounds to zero keeps its sign.
+
+    The e2m1 grid has step 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6]. Scaling each range to unit step (x2, x1,
+    x0.5, all exact) makes the code (minus the range's first code, 0/2/4) the nearest integer, and torch's
+    round-half-to-even picks the even code at every midpoint, because each range starts at an even code.
+    """
+    mag = torch.fmin(x.abs(), torch.tensor(FP4_MAX, dtype=x.dtype, device=x.device))
+    ge2, ge4 = mag >= 2, mag >= 4
+    scaled = mag * torch.where(ge2, torch.where(ge4, 0.5, 1.0), 2.0).to(x.dtype)
+    code = scaled.round_().to(torch.uint8)
+    code += (ge2.to(torch.uint8) + ge4.to(torch.uint8)) << 1
+    sign = torch.signbit(x) & ~torch.isnan(x)
+    return code | (sign.to(torch.uint8) << 3)
 
 
 def fp4_values_from_codes(codes: torch.Tensor) -> torch.Tensor:
