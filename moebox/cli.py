@@ -95,7 +95,58 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (only its config.json is read)")
+    p.add_argument("--memory", default=None, help="memory budget, e.g. 121.7GiB, 80GB, 512MiB "
+                   "(default: MemAvailable of this machine)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length per sequence (default: 65536, capped at max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=1, help="sequences served at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward step")
+    p.add_argument("--experts", default="w2", choices=("w2", "native"),
+                   help="routed experts as 2-bit planes (w2) or at checkpoint precision (native)")
+    p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="KV cache element type")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from moebox.config import load_config
+    from moebox.runtime.dirs import check_model_dir
+    from moebox.runtime.plan import available_memory, parse_size, plan_for
+    memory = parse_size(args.memory, "--memory") if args.memory is not None else available_memory("cpu")
+    cfg = load_config(check_model_dir(args.model))
+    max_len = args.max_model_len or min(65536, cfg.max_position_embeddings)
+    plan = plan_for(cfg, memory, max_len, args.max_num_seqs, args.max_num_batched_tokens, args.experts,
+                    args.kv_dtype, not args.no_mtp)
+    print(plan.table())
+    plan.check()
+    return 0
+
+
 register("generate", Command("generate text offline (no server)", _configure_generate, _run_generate))
+register("plan", Command("memory plan from config.json alone: weights, KV cache, what fits", _configure_plan,
+                         _run_plan))
+
+
+def _configure_pack(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (read-only is fine)")
+    p.add_argument("--store", required=True, help="plane store directory (writable, outside the model directory)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_pack(args: argparse.Namespace) -> int:
+    from moebox.store.pack import pack, prepare_store
+    from moebox.weights.checkpoint import Checkpoint
+    ckpt = Checkpoint(args.model)
+    ckpt.validate()
+    store = prepare_store(ckpt, args.store)
+    summary = pack(ckpt, store, progress=not args.quiet)
+    for line in summary.lines():
+        print(line)
+    return 0
+
+
+register("pack", Command("pack the routed experts into a 2-bit plane store", _configure_pack, _run_pack))
 register("synth", Command("write a deterministic synthetic checkpoint", _configure_synth, _run_synth))
 register("check", Command("validate a checkpoint (config, index, headers, tensor schema)", _configure_check,
                           _run_check))
@@ -117,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoeboxError as e:
         print(f"moebox: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("moebox: interrupted (finished work is kept; run the same command again to resume)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

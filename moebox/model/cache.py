@@ -30,30 +30,52 @@ class LayerCache:
     index_raw_gate: torch.Tensor | None = None
 
 
+def layer_shapes(cfg: ModelConfig, max_len: int, spec_slack: int, with_mtp: bool = True
+                 ) -> list[dict[str, tuple[tuple[int, ...], bool]]]:
+    """Per layer: field -> (shape per slot, is fp32). The single description of the cache layout, used to
+    allocate it and to plan memory before anything is allocated."""
+    d, di = cfg.head_dim, cfg.index_head_dim
+    n_mtp = cfg.num_mtp_layers if with_mtp else 0
+    kinds = list(cfg.attn_types) + [SLIDING] * n_mtp
+    ratios = list(cfg.compress_ratios) + [0] * n_mtp
+    layers = []
+    for kind, ratio in zip(kinds, ratios):
+        shapes = {"window": ((cfg.sliding_window + spec_slack, d), False)}
+        if kind != SLIDING:
+            n_entries = -(-max_len // ratio)
+            overlap = kind == CSA
+            ring = (2 if overlap else 1) * ratio + spec_slack
+            width = (2 if overlap else 1) * d
+            shapes.update(entries=((n_entries, d), False), raw_kv=((ring, width), True), raw_gate=((ring, width), True))
+            if overlap:
+                shapes.update(index_keys=((n_entries, di), False), index_raw_kv=((ring, 2 * di), True),
+                              index_raw_gate=((ring, 2 * di), True))
+        layers.append(shapes)
+    return layers
+
+
+def cache_bytes_per_slot(cfg: ModelConfig, max_len: int, dtype: torch.dtype, spec_slack: int = 0,
+                         with_mtp: bool = True) -> int:
+    item = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for shapes in layer_shapes(cfg, max_len, spec_slack, with_mtp):
+        for shape, fp32 in shapes.values():
+            n = 1
+            for x in shape:
+                n *= x
+            total += n * (4 if fp32 else item)
+    return total
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", spec_slack: int = 0) -> None:
+                 device: torch.device | str = "cpu", spec_slack: int = 0, with_mtp: bool = True) -> None:
         self.num_slots, self.max_len, self.spec_slack = num_slots, max_len, spec_slack
-        self.window_ring = cfg.sliding_window + spec_slack
-        d, di = cfg.head_dim, cfg.index_head_dim
-        kinds = list(cfg.attn_types) + [SLIDING] * cfg.num_mtp_layers
-        ratios = list(cfg.compress_ratios) + [0] * cfg.num_mtp_layers
-        self.layers: list[LayerCache] = []
-        for kind, ratio in zip(kinds, ratios):
-            lc = LayerCache(window=torch.zeros(num_slots, self.window_ring, d, dtype=dtype, device=device))
-            if kind != SLIDING:
-                n_entries = -(-max_len // ratio)
-                overlap = kind == CSA
-                ring = (2 if overlap else 1) * ratio + spec_slack
-                width = (2 if overlap else 1) * d
-                lc.entries = torch.zeros(num_slots, n_entries, d, dtype=dtype, device=device)
-                lc.raw_kv = torch.zeros(num_slots, ring, width, dtype=torch.float32, device=device)
-                lc.raw_gate = torch.zeros_like(lc.raw_kv)
-                if overlap:
-                    lc.index_keys = torch.zeros(num_slots, n_entries, di, dtype=dtype, device=device)
-                    lc.index_raw_kv = torch.zeros(num_slots, ring, 2 * di, dtype=torch.float32, device=device)
-                    lc.index_raw_gate = torch.zeros_like(lc.index_raw_kv)
-            self.layers.append(lc)
+        self.layers = [
+            LayerCache(**{name: torch.zeros((num_slots, *shape), dtype=torch.float32 if fp32 else dtype,
+                                            device=device)
+                          for name, (shape, fp32) in shapes.items()})
+            for shapes in layer_shapes(cfg, max_len, spec_slack, with_mtp)]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for lc in self.layers for t in vars(lc).values() if t is not None)

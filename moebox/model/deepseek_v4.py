@@ -94,4 +94,4 @@ class DeepseekV4:
         return self.mtp[depth](hidden, batch, layer_cache, logits_rows)
 
     def new_cache(self, num_slots: int, max_len: int, device: torch.device | str, spec_slack: int = 0) -> KVCache:
-        return KVCache(self.cfg, num_slots, max_len, self.dtype, device, spec_slack)
+        return KVCache(self.cfg, num_slots, max_len, self.dtype, device, spec_slack, with_mtp=bool(self.mtp))

@@ -17,6 +17,9 @@ from tokenizers import Tokenizer
 from moebox.errors import MoeboxError
 from moebox.model.batch import FlatBatch
 from moebox.runtime.loader import load_model
+from moebox.runtime.plan import available_memory, parse_size, plan_for
+from moebox.runtime.dirs import check_model_dir
+from moebox.config import load_config
 from moebox.runtime.sampler import SamplingParams, sample_token
 
 log = logging.getLogger("moebox")
@@ -76,13 +79,24 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 class LLM:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 8,
-                 seed: int = 0, load_mtp: bool = True, progress: bool = True) -> None:
+                 seed: int = 0, load_mtp: bool = True, progress: bool = True, memory: int | str | None = None,
+                 experts: str = "native", store_dir: str | Path | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoeboxError("device='cuda' but no CUDA device is available; use device='cpu'")
         self.dtype = resolve_dtype(dtype, self.device)
+        # Before any weight is read: a readable model dir and a plan that fits (fails in seconds, with numbers).
+        cfg = load_config(check_model_dir(model))
+        plan_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        budget = parse_size(memory, "memory") if memory is not None else available_memory(self.device)
+        # no chunked prefill yet: the first step can batch every prompt token of a full wave
+        self.plan = plan_for(cfg, budget, plan_len, max_num_seqs, max_num_seqs * plan_len, experts=experts,
+                             kv_dtype=self.dtype, with_mtp=load_mtp)
+        log.info("%s", self.plan.table())
+        self.plan.check()
         self.model, self.checkpoint = load_model(model, device=self.device, dtype=self.dtype,
-                                                 kv_cache_dtype=kv_cache_dtype, load_mtp=load_mtp, progress=progress)
+                                                 kv_cache_dtype=kv_cache_dtype, load_mtp=load_mtp, experts=experts,
+                                                 store_dir=store_dir, progress=progress)
         self.config = self.model.cfg
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         if self.max_model_len > self.config.max_position_embeddings:

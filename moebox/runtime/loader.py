@@ -1,8 +1,9 @@
 """Build a runnable DeepseekV4 from a checkpoint directory.
 
 Weights stay in their stored format (FP8/FP4 QuantTensor or float) and are placed on the target device
-once; the model asks for them by canonical name. The QAT roundings (FP8 KV, Hadamard+FP4 indexer) follow
-the checkpoint unless `kv_cache_dtype` forces them.
+once; the model asks for them by canonical name. With `experts="w2"` the routed experts come from a plane
+store instead (packed on first use); the checkpoint's expert tensors are then never read. The QAT roundings
+(FP8 KV, Hadamard+FP4 indexer) follow the checkpoint unless `kv_cache_dtype` forces them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from moebox.weights.checkpoint import Checkpoint
 
 log = logging.getLogger("moebox")
 KV_CACHE_DTYPES = ("auto", "fp8", "model")
+EXPERT_FORMATS = ("native", "w2")
 
 
 def resolve_qat(kv_cache_dtype: str, layout: str) -> bool:
@@ -32,9 +34,39 @@ def resolve_qat(kv_cache_dtype: str, layout: str) -> bool:
     return kv_cache_dtype == "fp8"
 
 
+def default_store_dir(ckpt: Checkpoint) -> Path:
+    from moebox.demo import cache_root
+    from moebox.store.pack import checkpoint_identity
+    return cache_root() / "stores" / checkpoint_identity(ckpt).removeprefix("sha256:")[:16]
+
+
+def load_expert_planes(ckpt: Checkpoint, store_dir: str | Path, device: str | torch.device,
+                       progress: bool) -> dict[str, Weight]:
+    """Routed experts as 2-bit planes from the store, packing whatever layers it lacks first."""
+    from moebox.store.pack import expert_layers, pack, prepare_store
+    store = prepare_store(ckpt, store_dir)
+    if store.missing_layers():
+        log.info("plane store %s: %d of %d layers missing; packing them now", store.path,
+                 len(store.missing_layers()), store.shape.layers)
+        for line in pack(ckpt, store, progress=progress).lines():
+            log.info("pack: %s", line)
+    else:
+        log.info("plane store %s: complete (%d layers); reading planes", store.path, store.shape.layers)
+    weights: dict[str, Weight] = {}
+    for layer, prefix in enumerate(tqdm(expert_layers(ckpt), desc="reading planes", unit="layer",
+                                        disable=not progress, leave=False)):
+        buf = store.read_layer(layer).to(device)
+        for e in range(store.shape.experts):
+            for t, planes in zip(("w1", "w3", "w2"), store.expert_planes(buf, e)):
+                weights[f"{prefix}{e}.{t}.weight"] = planes
+    return weights
+
+
 def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               kv_cache_dtype: str = "auto", load_mtp: bool = True,
-               progress: bool = True) -> tuple[DeepseekV4, Checkpoint]:
+               kv_cache_dtype: str = "auto", load_mtp: bool = True, experts: str = "native",
+               store_dir: str | Path | None = None, progress: bool = True) -> tuple[DeepseekV4, Checkpoint]:
+    if experts not in EXPERT_FORMATS:
+        raise MoeboxError(f"experts={experts!r} is not supported; use one of {EXPERT_FORMATS}")
     ckpt = Checkpoint(model_dir)
     ckpt.validate()
     cfg = ckpt.config
@@ -44,12 +76,14 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
         log.warning("%s: config declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; running without "
                     "the MTP block", model_dir, cfg.num_mtp_layers)
     use_mtp = load_mtp and has_mtp
-    wanted = [n for n in names if use_mtp or not n.startswith("mtp.")]
     weights: dict[str, Weight] = {}
+    if experts == "w2":
+        weights.update(load_expert_planes(ckpt, store_dir or default_store_dir(ckpt), device, progress))
+    wanted = [n for n in names if (use_mtp or not n.startswith("mtp.")) and n not in weights]
     for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         weights[name] = ckpt.get(name).to(device)
     qat = resolve_qat(kv_cache_dtype, ckpt.layout)
     model = DeepseekV4(cfg, weights.__getitem__, qat=qat, dtype=dtype, load_mtp=use_mtp)
-    log.info("loaded %s (%s layout, %d layers, %d tensors, QAT rounding %s)", model_dir, ckpt.layout,
-             cfg.num_layers, len(weights), "on" if qat else "off")
+    log.info("loaded %s (%s layout, %d layers, %s experts, QAT rounding %s)", model_dir, ckpt.layout,
+             cfg.num_layers, experts, "on" if qat else "off")
     return model, ckpt
