@@ -77,6 +77,10 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "model"),
                    help="auto: follow the checkpoint (FP8 KV rounding for the official layout)")
+    p.add_argument("--experts", default="native", choices=("native", "w2"),
+                   help="routed experts at checkpoint precision, or as 2-bit planes from --store")
+    p.add_argument("--store", default=None, help="plane store directory for --experts w2 (default: in the cache)")
+    p.add_argument("--memory", default=None, help="memory budget for the plan, e.g. 121.7GiB (default: available)")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -88,7 +92,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.seed)
     except ValueError as e:
         raise MoeboxError(f"sampling flags: {e}") from None
-    llm = LLM(model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, experts=args.experts,
+              store_dir=args.store, memory=args.memory)
     for out in llm.generate(args.prompt, params):
         print(f"--- {out.prompt!r} -> {len(out.token_ids)} tokens ({out.outputs[0].finish_reason})")
         print(out.text)

@@ -95,7 +95,7 @@ class HFMTPReference(nn.Module):
                 hf = official_to_hf_name("layers.0." + n[len(p):])
                 if hf is not None and hf.startswith("model.layers.0."):
                     layer_state[hf[len("model.layers.0."):]] = t
-        I, E = cfg.moe_intermediate_size, cfg.n_routed_experts
+        E = cfg.n_routed_experts
         layer_state["mlp.experts.gate_up_proj"] = torch.stack(
             [torch.cat([weights[f"{p}ffn.experts.{e}.w1.weight"], weights[f"{p}ffn.experts.{e}.w3.weight"]])
              for e in range(E)])

@@ -4,7 +4,6 @@ start that reads no expert bytes from the checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess

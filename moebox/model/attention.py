@@ -14,7 +14,7 @@ import torch
 
 from moebox.config import CSA, SLIDING, ModelConfig
 from moebox.model.batch import FlatBatch, Segment
-from moebox.model.cache import KVCache, LayerCache, ring_read, ring_write
+from moebox.model.cache import LayerCache, ring_read, ring_write
 from moebox.ops.attention import sink_attention
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import Weight, dense_weight, linear

@@ -1,26 +1,28 @@
 """The offline API: `LLM(model=...)`, `generate(prompts, SamplingParams)` and `logits(token_ids)`.
 
-Generation runs every active sequence in one flat batch per step (prefill segments first, then one-token
-decode segments), each sequence in its own cache slot; more prompts than slots run in waves.
+`generate` drives the same continuous-batching engine the server uses, on the caller's thread: prompts wait
+for a free cache slot, prefill in chunks, and decode together in one flat batch per step.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer
 
+from moebox.config import load_config
 from moebox.errors import MoeboxError
 from moebox.model.batch import FlatBatch
+from moebox.runtime.dirs import check_model_dir
+from moebox.runtime.engine import Engine, Event, Request
 from moebox.runtime.loader import load_model
 from moebox.runtime.plan import available_memory, parse_size, plan_for
-from moebox.runtime.dirs import check_model_dir
-from moebox.config import load_config
-from moebox.runtime.sampler import SamplingParams, sample_token
+from moebox.runtime.sampler import SamplingParams
 
 log = logging.getLogger("moebox")
 
@@ -50,22 +52,6 @@ class RequestOutput:
         return self.outputs[0].text
 
 
-@dataclass
-class _Seq:
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    slot: int = -1
-    out_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish: str | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.out_ids)
-
-
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -80,7 +66,8 @@ class LLM:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 8,
                  seed: int = 0, load_mtp: bool = True, progress: bool = True, memory: int | str | None = None,
-                 experts: str = "native", store_dir: str | Path | None = None) -> None:
+                 experts: str = "native", store_dir: str | Path | None = None,
+                 max_num_batched_tokens: int = 2048) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoeboxError("device='cuda' but no CUDA device is available; use device='cpu'")
@@ -89,8 +76,7 @@ class LLM:
         cfg = load_config(check_model_dir(model))
         plan_len = max_model_len or min(cfg.max_position_embeddings, 4096)
         budget = parse_size(memory, "memory") if memory is not None else available_memory(self.device)
-        # no chunked prefill yet: the first step can batch every prompt token of a full wave
-        self.plan = plan_for(cfg, budget, plan_len, max_num_seqs, max_num_seqs * plan_len, experts=experts,
+        self.plan = plan_for(cfg, budget, plan_len, max_num_seqs, max_num_batched_tokens, experts=experts,
                              kv_dtype=self.dtype, with_mtp=load_mtp)
         log.info("%s", self.plan.table())
         self.plan.check()
@@ -103,10 +89,12 @@ class LLM:
             raise MoeboxError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
                               f"{self.config.max_position_embeddings}")
         self.max_num_seqs = max_num_seqs
-        self.cache = self.model.new_cache(max_num_seqs, self.max_model_len, self.device)
         tok_path = Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
-        self._generator = torch.Generator().manual_seed(seed)
+        self.engine = Engine(self.model, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                             max_num_batched_tokens=max_num_batched_tokens, max_waiting=1 << 30, device=self.device,
+                             seed=seed)
+        self.cache = self.engine.cache
 
     # ------------------------------------------------------------------ tokens
     def encode(self, text: str) -> list[int]:
@@ -144,43 +132,30 @@ class LLM:
     @torch.inference_mode()
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion through the continuous-batching engine (on this thread)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else \
             [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise MoeboxError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        seqs = []
+        outputs: list[CompletionOutput] = []
+        reqs = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
-            seqs.append(_Seq(i, self._check_ids(ids, p.max_tokens), p, gen))
-        for start in range(0, len(seqs), self.max_num_seqs):
-            self._run_wave(seqs[start:start + self.max_num_seqs])
-        return [RequestOutput(p if isinstance(p, str) else None, s.prompt_ids,
-                              [CompletionOutput(s.out_ids, s.text, s.finish or "length")])
-                for p, s in zip(prompts, seqs)]
+            out = CompletionOutput([], "", "length")
+            outputs.append(out)
+            reqs.append(Request(f"offline-{i}", self._check_ids(ids, p.max_tokens), p, partial(_collect, out)))
+        for req in reqs:
+            self.engine.submit(req)
+        while self.engine.has_work():
+            self.engine.step()
+        return [RequestOutput(p if isinstance(p, str) else None, r.prompt_ids, [o])
+                for p, r, o in zip(prompts, reqs, outputs)]
 
-    def _run_wave(self, seqs: list[_Seq]) -> None:
-        for slot, s in enumerate(seqs):
-            s.slot = slot
-        parts = [(s.slot, 0, s.prompt_ids) for s in seqs]
-        while parts:
-            logits = self.model.forward(FlatBatch.build(parts, self.device), self.cache).logits
-            active = [s for s in seqs if s.finish is None]
-            for s, row in zip(active, logits):
-                self._append(s, sample_token(row, s.params, s.generator))
-            parts = [(s.slot, s.length - 1, [s.out_ids[-1]]) for s in active if s.finish is None]
 
-    def _append(self, s: _Seq, token: int) -> None:
-        p = s.params
-        s.out_ids.append(token)
-        if (token in self.config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            s.finish = "stop"
-        if self.tokenizer is not None:
-            s.text = self.decode(s.out_ids if s.finish is None else s.out_ids[:-1])
-            hits = [s.text.find(x) for x in p.stop if x in s.text]
-            if hits:
-                s.text, s.finish = s.text[:min(hits)], "stop"
-        if s.finish is None and len(s.out_ids) >= p.max_tokens:
-            s.finish = "length"
+def _collect(out: CompletionOutput, event: Event) -> None:
+    out.token_ids.extend(event.token_ids)
+    out.text += event.text
+    if event.finish_reason:
+        out.finish_reason = event.finish_reason

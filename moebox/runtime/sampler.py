@@ -18,6 +18,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True     # in the returned text; the chat server keeps them (</think>, DSML)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

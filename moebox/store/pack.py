@@ -109,6 +109,15 @@ class PackSummary:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory. VmHWM, not ru_maxrss: ru_maxrss survives exec, so a process started
+    from a big parent would report the parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -129,7 +138,7 @@ def pack(ckpt: Checkpoint, store: PlaneStore, *, progress: bool = True, stats_ev
         todo = store.missing_layers()            # the writer may have reset a stale store
         bar = tqdm(total=len(todo) * E, unit="expert", disable=not progress, smoothing=0.1)
         for layer in todo:
-            bar.set_description(f"pack layer {layer + 1}/{store.shape.layers}")
+            bar.set_description(f"pack layer {layer + 1}/{store.shape.layers}", refresh=False)
             for e in range(E):
                 planes = []
                 for t in EXPERT_TENSORS:
@@ -143,7 +152,7 @@ def pack(ckpt: Checkpoint, store: PlaneStore, *, progress: bool = True, stats_ev
                 w.write_expert(layer, e, tuple(planes))  # type: ignore[arg-type]
                 written += store.shape.slot_bytes
                 bar.update(1)
-                bar.set_postfix_str(f"read {read / max(time.perf_counter() - t0, 1e-9) / 1e9:.2f} GB/s")
+                bar.set_postfix_str(f"read {read / max(time.perf_counter() - t0, 1e-9) / 1e9:.2f} GB/s", refresh=False)
             w.commit_layer(layer)
             log.debug("plane store %s: layer %d complete", store.path, layer)
         bar.close()

@@ -1,0 +1,280 @@
+"""The continuous-batching engine: requests in, token events out, one flat-batch forward per step.
+
+Each step the scheduler frees what finished or was cancelled, admits waiting requests into free cache slots,
+and builds one flat batch: a decode token for every running sequence first, then prefill chunks of admitted
+prompts within `max_num_batched_tokens` (chunked prefill). It samples where a sequence's prompt is complete
+and reports tokens through each request's `on_event` callback. The engine owns the model and its cache; the
+HTTP server only calls `submit`/`cancel` (thread-safe) and `run` runs the loop on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tokenizers import Tokenizer
+
+from moebox.errors import MoeboxError
+from moebox.model.batch import FlatBatch
+from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.runtime.metrics import EngineMetrics
+from moebox.runtime.sampler import SamplingParams, sample_token
+
+log = logging.getLogger("moebox")
+
+
+class QueueFull(MoeboxError):
+    """The waiting queue is at its bound: the client should retry later (HTTP 503)."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Event:
+    """New output of one request: tokens since the last event, their text, and the finish when done."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_event: Callable[[Event], None]
+    logprobs: int | None = None          # None: off; k >= 0: the sampled token's logprob + top-k alternatives
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # engine state
+    slot: int = -1
+    num_prefilled: int = 0
+    out_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted_chars: int = 0
+    finish_reason: str | None = None
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: float | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.out_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_prefilled >= len(self.prompt_ids)
+
+
+class Engine:
+    def __init__(self, model: DeepseekV4, tokenizer: Tokenizer | None, *, max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int = 2048, max_waiting: int = 256, device: torch.device | str = "cpu",
+                 seed: int = 0, metrics: EngineMetrics | None = None) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise MoeboxError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
+                              f"--max-num-seqs ({max_num_seqs}): every running sequence decodes one token per step")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
+        self.device = torch.device(device)
+        self.cache = model.new_cache(max_num_seqs, max_model_len, self.device)
+        self.eos_ids = set(model.cfg.eos_token_ids)
+        self.metrics = metrics or EngineMetrics()
+        self._generator = torch.Generator().manual_seed(seed)
+        self._free_slots = list(range(max_num_seqs))[::-1]
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self._lock = threading.Condition()
+        self._stopped = False
+
+    # ------------------------------------------------------------------ client side (any thread)
+    def submit(self, req: Request) -> None:
+        vocab = self.model.cfg.vocab_size
+        if not req.prompt_ids:
+            raise MoeboxError("empty prompt: give at least one token")
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise MoeboxError(f"prompt has a token id outside the vocabulary [0, {vocab})")
+        if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
+            raise MoeboxError(f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} exceeds "
+                              f"max_model_len {self.max_model_len}")
+        req.generator = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
+        with self._lock:
+            if req.id in self._by_id:
+                raise MoeboxError(f"request id {req.id!r} is already in use")
+            if len(self._waiting) >= self.max_waiting:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"server busy: {len(self._waiting)} requests already waiting; retry later")
+            self._waiting.append(req)
+            self._by_id[req.id] = req
+            self.metrics.waiting.set(len(self._waiting))
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request (client gone): its slot is freed at the next step; no more events are sent."""
+        with self._lock:
+            req = self._by_id.get(request_id)
+            if req is not None:
+                req.cancelled = True
+                self._lock.notify()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.max_num_seqs - len(self._free_slots)
+
+    # ------------------------------------------------------------------ engine thread
+    def run(self) -> None:
+        """The engine loop (run it on its own thread); sleeps while there is nothing to do."""
+        while True:
+            with self._lock:
+                while not self._stopped and not (self._waiting or self._running):
+                    self._lock.wait()
+                if self._stopped:
+                    return
+            try:
+                self.step()
+            except Exception:                      # a bug: fail the requests in flight, keep serving
+                log.exception("engine step failed; failing the requests in this batch")
+                with self._lock:
+                    for req in list(self._running):
+                        self._finish(req, "error")
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One scheduling step. Returns False when there was nothing to run."""
+        with self._lock:
+            for req in [r for r in self._running if r.cancelled]:
+                self._finish(req, "cancelled", notify=False)
+            while self._waiting and self._free_slots:
+                req = self._waiting.popleft()
+                if req.cancelled:
+                    self._by_id.pop(req.id, None)
+                    continue
+                req.slot = self._free_slots.pop()
+                self._running.append(req)
+            self.metrics.waiting.set(len(self._waiting))
+            batch_reqs = list(self._running)
+        self.metrics.running.set(len(batch_reqs))
+        self.metrics.cache_usage.set(self.slots_in_use / self.max_num_seqs)
+        if not batch_reqs:
+            return False
+
+        parts, samplers, budget = [], [], self.max_num_batched_tokens
+        for req in batch_reqs:                     # decode first: running sequences never starve
+            if req.prefill_done:
+                parts.append((req.slot, req.length - 1, [req.out_ids[-1]]))
+                samplers.append(req)
+                budget -= 1
+        for req in batch_reqs:
+            if not req.prefill_done and budget > 0:
+                n = min(len(req.prompt_ids) - req.num_prefilled, budget)
+                parts.append((req.slot, req.num_prefilled, req.prompt_ids[req.num_prefilled:req.num_prefilled + n]))
+                req.num_prefilled += n
+                budget -= n
+                self.metrics.prompt_tokens.inc(n)
+                samplers.append(req if req.prefill_done else None)
+        batch = FlatBatch.build(parts, self.device)
+        rows = batch.last_rows()
+        logits = self.model.forward(batch, self.cache, logits_rows=rows).logits
+        now = time.perf_counter()
+        with self._lock:
+            for req, row in zip(samplers, logits):
+                if req is None or req.cancelled:
+                    continue
+                self._emit_token(req, row, now)
+        return True
+
+    # ------------------------------------------------------------------ sampling and output
+    def _emit_token(self, req: Request, row: torch.Tensor, now: float) -> None:
+        p = req.params
+        if req.presence_penalty or req.frequency_penalty:
+            row = apply_penalties(row, req.out_ids, req.presence_penalty, req.frequency_penalty)
+        token = sample_token(row, p, req.generator or self._generator)
+        lp = None
+        if req.logprobs is not None:
+            logp = torch.log_softmax(row.float(), dim=-1)
+            top = logp.topk(req.logprobs) if req.logprobs else None
+            lp = TokenLogprob(token, float(logp[token]),
+                              list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+        if req.last_token_time is None:
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        req.out_ids.append(token)
+        self.metrics.generation_tokens.inc()
+
+        finish = None
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            finish = "stop"
+        visible = req.out_ids[:-1] if finish else req.out_ids
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(visible, skip_special_tokens=p.skip_special_tokens)
+            if p.stop:
+                hits = [req.text.find(s, max(0, req.emitted_chars - len(s))) for s in p.stop]
+                hits = [h for h in hits if h >= 0]
+                if hits:
+                    req.text, finish = req.text[:min(hits)], "stop"
+        if finish is None and (len(req.out_ids) >= p.max_tokens or req.length >= self.max_model_len):
+            finish = "length"
+        # hold back an incomplete UTF-8 sequence and what could still become a stop string
+        hold = 0
+        if finish is None:
+            if req.text.endswith("\ufffd"):
+                hold = 1
+            for s in p.stop:
+                for k in range(min(len(s) - 1, len(req.text)), 0, -1):
+                    if req.text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+        upto = len(req.text) - hold
+        delta = req.text[req.emitted_chars:upto] if upto > req.emitted_chars else ""
+        req.emitted_chars = max(req.emitted_chars, upto)
+        event = Event([token], delta, [lp] if lp else [], finish, len(req.prompt_ids), len(req.out_ids))
+        if finish:
+            self._finish(req, finish, notify=False)
+        req.on_event(event)
+
+    def _finish(self, req: Request, reason: str, notify: bool = True) -> None:
+        """Free the slot and forget the request (lock held). Cancelled requests get no event."""
+        req.finish_reason = reason
+        if req in self._running:
+            self._running.remove(req)
+            self._free_slots.append(req.slot)
+        self._by_id.pop(req.id, None)
+        self.metrics.finished.labels(reason=reason).inc()
+        self.metrics.cache_usage.set(self.slots_in_use / self.max_num_seqs)
+        if notify and reason != "cancelled":
+            req.on_event(Event([], "", [], reason, len(req.prompt_ids), len(req.out_ids)))
+
+
+def apply_penalties(logits: torch.Tensor, generated: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI semantics over the tokens generated so far: logit -= presence * [count > 0] + frequency * count."""
+    if not generated:
+        return logits
+    counts = torch.bincount(torch.tensor(generated, device=logits.device), minlength=logits.numel()).to(logits.dtype)
+    return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
