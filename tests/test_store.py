@@ -167,3 +167,23 @@ def test_w2_vs_native_quality_smoke(tiny_ckpt, small_ckpt, tmp_path):
                                         reduction="none").sum(-1).mean().item()
         print(f"\n{name}: w2 vs native over 300 positions: top-1 agreement {top1:.3f}, KL(native||w2) {kl:.4f}")
         assert lw.isfinite().all() and kl < 5.0
+
+
+def test_transformers_layout_experts_pack_from_float(tmp_path):
+    """A bf16/fp32 transformers checkpoint has float experts: they go through `from_float`."""
+    from moebox.quant.w2 import from_float
+    from tests.hf_oracle import DeepseekV4Config, DeepseekV4ForCausalLM, randomize_hidden_paths
+    from tests.test_parity import SECOND
+    cfg = DeepseekV4Config(**SECOND)
+    model = DeepseekV4ForCausalLM(cfg).float().eval()
+    randomize_hidden_paths(model, seed=3)
+    model.save_pretrained(tmp_path / "hf")
+    ckpt = Checkpoint(tmp_path / "hf")
+    store = open_store(ckpt, tmp_path / "store")
+    pack(ckpt, store, progress=False)
+    assert store.shape.layers == ckpt.config.num_layers            # transformers checkpoints carry no MTP block
+    w1 = store.expert_planes(store.read_layer(4), 7)[0]
+    ref = from_float(ckpt.get("layers.4.ffn.experts.7.w1.weight"))
+    assert torch.equal(w1.codes, ref.codes) and torch.equal(w1.scales.view(torch.uint8), ref.scales.view(torch.uint8))
+    logits = LLM(tmp_path / "hf", experts="w2", store_dir=tmp_path / "store", progress=False).logits(list(range(40)))
+    assert logits.isfinite().all()
