@@ -128,6 +128,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_serve(p: argparse.ArgumentParser) -> None:
+    from moebox.server.serve import configure
+    configure(p)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from moebox.server.serve import run
+    return run(args)
+
+
+register("serve", Command("serve an OpenAI-compatible API (default: the built-in demo model)", _configure_serve,
+                          _run_serve))
 register("generate", Command("generate text offline (no server)", _configure_generate, _run_generate))
 register("plan", Command("memory plan from config.json alone: weights, KV cache, what fits", _configure_plan,
                          _run_plan))

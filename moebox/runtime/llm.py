@@ -21,6 +21,7 @@ from moebox.model.batch import FlatBatch
 from moebox.runtime.dirs import check_model_dir
 from moebox.runtime.engine import Engine, Event, Request
 from moebox.runtime.loader import load_model
+from moebox.runtime.metrics import EngineMetrics
 from moebox.runtime.plan import available_memory, parse_size, plan_for
 from moebox.runtime.sampler import SamplingParams
 
@@ -67,7 +68,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 8,
                  seed: int = 0, load_mtp: bool = True, progress: bool = True, memory: int | str | None = None,
                  experts: str = "native", store_dir: str | Path | None = None,
-                 max_num_batched_tokens: int = 2048) -> None:
+                 max_num_batched_tokens: int = 2048, max_waiting: int = 1 << 30,
+                 metrics: EngineMetrics | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoeboxError("device='cuda' but no CUDA device is available; use device='cpu'")
@@ -92,8 +94,8 @@ class LLM:
         tok_path = Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                             max_num_batched_tokens=max_num_batched_tokens, max_waiting=1 << 30, device=self.device,
-                             seed=seed)
+                             max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
+                             device=self.device, seed=seed, metrics=metrics)
         self.cache = self.engine.cache
 
     # ------------------------------------------------------------------ tokens
