@@ -27,3 +27,13 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_copy(tiny_ckpt: Path, tmp_path: Path) -> Path:
     """A private copy of the tiny checkpoint that a test may modify."""
     return Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory: pytest.TempPathFactory):
+    """`moebox serve` with no model: the built-in demo model, written to a fresh cache dir on first use."""
+    from tests.servers import start_server
+    tmp = tmp_path_factory.mktemp("demo-server")
+    server = start_server(["--max-num-seqs", "4", "--max-waiting", "256"], tmp / "cache", tmp / "server.log")
+    yield server
+    server.stop()
