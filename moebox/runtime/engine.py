@@ -60,6 +60,10 @@ class Request:
     logprobs: int | None = None          # None: off; k >= 0: the sampled token's logprob + top-k alternatives
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # forced continuation: once the output text contains `force_after` ("" = from the start), the next tokens
+    # are `forced_ids` instead of samples (how tool_choice required/named opens a tool-call block)
+    force_after: str | None = None
+    forced_ids: list[int] = field(default_factory=list)
     # engine state
     slot: int = -1
     num_prefilled: int = 0
@@ -71,6 +75,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
     generator: torch.Generator | None = None
+    pending_forced: deque[int] = field(default_factory=deque)
 
     @property
     def length(self) -> int:
@@ -114,6 +119,9 @@ class Engine:
             raise MoeboxError(f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} exceeds "
                               f"max_model_len {self.max_model_len}")
         req.generator = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
+        if req.force_after == "":
+            req.pending_forced.extend(req.forced_ids)
+            req.force_after = None
         with self._lock:
             if req.id in self._by_id:
                 raise MoeboxError(f"request id {req.id!r} is already in use")
@@ -213,7 +221,8 @@ class Engine:
         p = req.params
         if req.presence_penalty or req.frequency_penalty:
             row = apply_penalties(row, req.out_ids, req.presence_penalty, req.frequency_penalty)
-        token = sample_token(row, p, req.generator or self._generator)
+        forced = bool(req.pending_forced)
+        token = req.pending_forced.popleft() if forced else sample_token(row, p, req.generator or self._generator)
         lp = None
         if req.logprobs is not None:
             logp = torch.log_softmax(row.float(), dim=-1)
@@ -229,7 +238,7 @@ class Engine:
         self.metrics.generation_tokens.inc()
 
         finish = None
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if not forced and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
             finish = "stop"
         visible = req.out_ids[:-1] if finish else req.out_ids
         if self.tokenizer is not None:
@@ -239,6 +248,9 @@ class Engine:
                 hits = [h for h in hits if h >= 0]
                 if hits:
                     req.text, finish = req.text[:min(hits)], "stop"
+        if req.force_after and req.force_after in req.text:
+            req.pending_forced.extend(req.forced_ids)
+            req.force_after = None
         if finish is None and (len(req.out_ids) >= p.max_tokens or req.length >= self.max_model_len):
             finish = "length"
         # hold back an incomplete UTF-8 sequence and what could still become a stop string

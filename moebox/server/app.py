@@ -25,7 +25,7 @@ from moebox.runtime.engine import Event, QueueFull
 from moebox.runtime.engine import Request as EngineRequest
 from moebox.runtime.metrics import EngineMetrics
 from moebox.runtime.sampler import SamplingParams
-from moebox.server.chat_format import encode_messages, resolve_thinking
+from moebox.server.chat_format import DSML, THINK_END, TOOL_CALLS_START, encode_messages, resolve_thinking
 from moebox.server.parsers import Delta, OutputParser
 from moebox.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
@@ -141,6 +141,14 @@ def create_app(state: ServerState) -> FastAPI:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         run = Generation(state, request, ids, params, body.n, logprobs, body.presence_penalty,
                          body.frequency_penalty)
+        if tools and tool_choice not in ("auto", "none"):
+            # required / named: once the answer starts, open the tool-call block (and name the tool)
+            opening = f"\n\n{TOOL_CALLS_START}\n<{DSML}invoke name=\""
+            if isinstance(tool_choice, dict):
+                opening += f'{tool_choice["function"]["name"]}">\n'
+            for r in run.requests:
+                r.force_after = THINK_END if thinking else ""
+                r.forced_ids = llm.tokenizer.encode(opening, add_special_tokens=False).ids
         parsers = [OutputParser(thinking, tools, tool_choice, body.parallel_tool_calls) for _ in range(body.n)]
         run.start()
         chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
