@@ -111,6 +111,8 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", default="w2", choices=("w2", "native"),
                    help="routed experts as 2-bit planes (w2) or at checkpoint precision (native)")
     p.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="KV cache element type")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "model"),
+                   help="fp8: DeepSeek's FP8 (nope) / bf16 (rope) / FP4 (index keys) cache layout")
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
 
 
@@ -122,7 +124,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(check_model_dir(args.model))
     max_len = args.max_model_len or min(65536, cfg.max_position_embeddings)
     plan = plan_for(cfg, memory, max_len, args.max_num_seqs, args.max_num_batched_tokens, args.experts,
-                    args.kv_dtype, not args.no_mtp)
+                    args.kv_dtype, not args.no_mtp, kv_layout="fp8" if args.kv_cache_dtype == "fp8" else "model")
     print(plan.table())
     plan.check()
     return 0

@@ -91,7 +91,8 @@ def test_incremental_with_qat_rounding_agrees_up_to_rounding_flips(tiny_ckpt):
     across an FP8/FP4 rounding boundary (and then change the indexer's top-k), so equality is not exact:
     sequences without such a flip match to fp32 precision; every sequence stays within 1% of the logit scale
     on average and keeps its argmax at >= 95% of positions (a flip can tip a near-tie)."""
-    model, _ = load_model(tiny_ckpt, kv_cache_dtype="fp8", progress=False)
+    model, _ = load_model(tiny_ckpt, kv_cache_dtype="auto", progress=False)   # official layout: QAT on
+    assert model.qat and model.kv_layout == "model"
     exact = 0
     for seed in range(4):
         ids = random_ids(70, seed, model.cfg.vocab_size)

@@ -64,8 +64,8 @@ class MTPBlock:
 
 class DeepseekV4:
     def __init__(self, cfg: ModelConfig, get: WeightSource, *, qat: bool, dtype: torch.dtype,
-                 load_mtp: bool = True) -> None:
-        self.cfg, self.qat, self.dtype = cfg, qat, dtype
+                 load_mtp: bool = True, kv_layout: str = "model") -> None:
+        self.cfg, self.qat, self.dtype, self.kv_layout = cfg, qat, dtype, kv_layout
         self.embed = get("embed.weight")
         head = get("head.weight")
         self.out = OutputHead(cfg, (get("hc_head_fn"), get("hc_head_base"), get("hc_head_scale")),
@@ -94,4 +94,5 @@ class DeepseekV4:
         return self.mtp[depth](hidden, batch, layer_cache, logits_rows)
 
     def new_cache(self, num_slots: int, max_len: int, device: torch.device | str, spec_slack: int = 0) -> KVCache:
-        return KVCache(self.cfg, num_slots, max_len, self.dtype, device, spec_slack, with_mtp=bool(self.mtp))
+        return KVCache(self.cfg, num_slots, max_len, self.dtype, device, spec_slack, with_mtp=bool(self.mtp),
+                       kv_layout=self.kv_layout)

@@ -130,16 +130,20 @@ class Engine:
                 raise QueueFull(f"server busy: {len(self._waiting)} requests already waiting; retry later")
             self._waiting.append(req)
             self._by_id[req.id] = req
-            self.metrics.waiting.set(len(self._waiting))
+            self._update_gauges()
             self._lock.notify()
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (client gone): its slot is freed at the next step; no more events are sent."""
         with self._lock:
             req = self._by_id.get(request_id)
-            if req is not None:
-                req.cancelled = True
-                self._lock.notify()
+            if req is None:
+                return
+            req.cancelled = True
+            if req in self._waiting:           # never admitted: leave the queue now, so it frees queue room
+                self._waiting.remove(req)
+                self._finish(req, "cancelled")
+            self._lock.notify()
 
     def stop(self) -> None:
         with self._lock:
@@ -179,15 +183,10 @@ class Engine:
                 self._finish(req, "cancelled", notify=False)
             while self._waiting and self._free_slots:
                 req = self._waiting.popleft()
-                if req.cancelled:
-                    self._by_id.pop(req.id, None)
-                    continue
                 req.slot = self._free_slots.pop()
                 self._running.append(req)
-            self.metrics.waiting.set(len(self._waiting))
+            self._update_gauges()
             batch_reqs = list(self._running)
-        self.metrics.running.set(len(batch_reqs))
-        self.metrics.cache_usage.set(self.slots_in_use / self.max_num_seqs)
         if not batch_reqs:
             return False
 
@@ -271,6 +270,13 @@ class Engine:
             self._finish(req, finish, notify=False)
         req.on_event(event)
 
+    def _update_gauges(self) -> None:
+        """Queue, running and cache gauges from the current state (lock held): set wherever it changes, so they
+        read true also while the loop sleeps with nothing to do."""
+        self.metrics.waiting.set(len(self._waiting))
+        self.metrics.running.set(len(self._running))
+        self.metrics.cache_usage.set(self.slots_in_use / self.max_num_seqs)
+
     def _finish(self, req: Request, reason: str, notify: bool = True) -> None:
         """Free the slot and forget the request (lock held). Cancelled requests get no event."""
         req.finish_reason = reason
@@ -279,7 +285,7 @@ class Engine:
             self._free_slots.append(req.slot)
         self._by_id.pop(req.id, None)
         self.metrics.finished.labels(reason=reason).inc()
-        self.metrics.cache_usage.set(self.slots_in_use / self.max_num_seqs)
+        self._update_gauges()
         if notify and reason != "cancelled":
             req.on_event(Event([], "", [], reason, len(req.prompt_ids), len(req.out_ids)))
 

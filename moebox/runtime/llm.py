@@ -79,7 +79,8 @@ class LLM:
         plan_len = max_model_len or min(cfg.max_position_embeddings, 4096)
         budget = parse_size(memory, "memory") if memory is not None else available_memory(self.device)
         self.plan = plan_for(cfg, budget, plan_len, max_num_seqs, max_num_batched_tokens, experts=experts,
-                             kv_dtype=self.dtype, with_mtp=load_mtp)
+                             kv_dtype=self.dtype, kv_layout="fp8" if kv_cache_dtype == "fp8" else "model",
+                             with_mtp=load_mtp)
         log.info("%s", self.plan.table())
         self.plan.check()
         self.model, self.checkpoint = load_model(model, device=self.device, dtype=self.dtype,

@@ -26,7 +26,8 @@ EXPERT_FORMATS = ("native", "w2")
 
 def resolve_qat(kv_cache_dtype: str, layout: str) -> bool:
     """'auto': the official layout was trained with FP8 KV / FP4 indexer rounding, so simulate it; an HF-layout
-    model computes without it (as transformers does). 'fp8' forces it on, 'model' (model dtype) off."""
+    model computes without it (as transformers does). 'fp8' forces it on and also stores the cache in that
+    FP8/FP4 layout (model/cache.py); 'model' turns it off. Otherwise the cache holds the model dtype."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise MoeboxError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of {KV_CACHE_DTYPES}")
     if kv_cache_dtype == "auto":
@@ -83,7 +84,8 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
     for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         weights[name] = ckpt.get(name).to(device)
     qat = resolve_qat(kv_cache_dtype, ckpt.layout)
-    model = DeepseekV4(cfg, weights.__getitem__, qat=qat, dtype=dtype, load_mtp=use_mtp)
+    model = DeepseekV4(cfg, weights.__getitem__, qat=qat, dtype=dtype, load_mtp=use_mtp,
+                       kv_layout="fp8" if kv_cache_dtype == "fp8" else "model")
     log.info("loaded %s (%s layout, %d layers, %s experts, QAT rounding %s)", model_dir, ckpt.layout,
              cfg.num_layers, experts, "on" if qat else "off")
     return model, ckpt

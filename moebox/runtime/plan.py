@@ -98,13 +98,15 @@ class MemoryPlan:
     w2_mtp_expert_bytes: int    # MTP routed experts as w2 planes (0 without MTP)
     cfg: ModelConfig | None = field(default=None, repr=False, compare=False)   # for the advice's what-ifs
     spec_slack: int = 0
+    kv_layout: str = "model"    # "fp8": DeepSeek's FP8/FP4 cache layout (model/cache.py)
 
     def _total_with(self, max_model_len: int, max_num_seqs: int) -> int:
         """The total this plan would have at another context length / sequence count (KV and workspace redone)."""
         from moebox.model.cache import cache_bytes_per_slot
         assert self.cfg is not None
         dtype = _torch_dtype(self.kv_dtype)
-        kv = cache_bytes_per_slot(self.cfg, max_model_len, dtype, self.spec_slack, self.with_mtp) * max_num_seqs
+        kv = cache_bytes_per_slot(self.cfg, max_model_len, dtype, self.spec_slack, self.with_mtp,
+                                  self.kv_layout) * max_num_seqs
         work = workspace_bytes(self.cfg, self.max_num_batched_tokens, max_num_seqs, dtype.itemsize)
         need = self.weight_bytes + kv + work
         return need + MARGIN_FIXED + round(need * MARGIN_SHARE)
@@ -164,7 +166,7 @@ class MemoryPlan:
             rows.append(("MTP block (off)", 0))
         rows += [
             (f"KV cache ({self.kv_bytes_per_seq / GiB:.2f} GiB/seq x {self.max_num_seqs}, "
-             f"{self.kv_bytes_per_token:.0f} B/token, {self.kv_dtype})", self.kv_bytes),
+             f"{self.kv_bytes_per_token:.0f} B/token, {'fp8 layout' if self.kv_layout == 'fp8' else self.kv_dtype})", self.kv_bytes),
             (f"workspace ({self.max_num_batched_tokens} batched tokens)", self.workspace_bytes),
             (f"safety margin (1 GiB + {MARGIN_SHARE:.0%})", self.margin_bytes),
             ("total", self.total_bytes),
@@ -223,7 +225,7 @@ class MemoryPlan:
 
 def plan_for(cfg: ModelConfig, memory_bytes: int, max_model_len: int, max_num_seqs: int = 1,
              max_num_batched_tokens: int = 2048, experts: str = "w2", kv_dtype: Any = "bf16",
-             with_mtp: bool = True, spec_slack: int = 0) -> MemoryPlan:
+             with_mtp: bool = True, spec_slack: int = 0, kv_layout: str = "model") -> MemoryPlan:
     """The memory plan of `cfg` for a budget of `memory_bytes` (see the module docstring for what it counts)."""
     from moebox.model.cache import cache_bytes_per_slot
 
@@ -258,9 +260,10 @@ def plan_for(cfg: ModelConfig, memory_bytes: int, max_model_len: int, max_num_se
         else:
             dense += spec.stored_nbytes()
 
-    per_seq = cache_bytes_per_slot(cfg, max_model_len, dtype, spec_slack, with_mtp)
+    per_seq = cache_bytes_per_slot(cfg, max_model_len, dtype, spec_slack, with_mtp, kv_layout)
     period = math.lcm(*[r for r, k in zip(cfg.compress_ratios, cfg.attn_types) if k != SLIDING] or [1])
-    growth = (cache_bytes_per_slot(cfg, max_model_len + period, dtype, spec_slack, with_mtp) - per_seq) / period
+    growth = (cache_bytes_per_slot(cfg, max_model_len + period, dtype, spec_slack, with_mtp, kv_layout)
+              - per_seq) / period
     act_bytes = dtype.itemsize
     work = workspace_bytes(cfg, max_num_batched_tokens, max_num_seqs, act_bytes)
     need = dense + experts_b + mtp_dense + mtp_experts + per_seq * max_num_seqs + work
@@ -268,6 +271,7 @@ def plan_for(cfg: ModelConfig, memory_bytes: int, max_model_len: int, max_num_se
     return MemoryPlan(
         memory_bytes=int(memory_bytes), max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, experts=experts, kv_dtype=str(dtype).removeprefix("torch."),
+        kv_layout=kv_layout,
         with_mtp=with_mtp, num_layers=cfg.num_layers, dense_bytes=dense, expert_bytes=experts_b,
         mtp_dense_bytes=mtp_dense, mtp_expert_bytes=mtp_experts, kv_bytes_per_seq=per_seq,
         kv_bytes_per_token=growth, workspace_bytes=work, margin_bytes=margin, w2_expert_bytes=w2_b,
