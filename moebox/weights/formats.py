@@ -15,7 +15,6 @@ import torch
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_FP4_MIDPOINTS = (FP4_GRID[1:] + FP4_GRID[:-1]) / 2
 FP4_BLOCK = 32
 
 
