@@ -53,7 +53,8 @@ class Server:
 
 def start_server(args: list[str], cache_dir: Path, log: Path, timeout: float = 180) -> Server:
     port = free_port()
-    env = {**os.environ, "MOEBOX_CACHE": str(cache_dir)}
+    # one intra-op thread: on the 2-core test box the engine, the HTTP loop and the test's clients share the cores
+    env = {**os.environ, "MOEBOX_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "moebox.cli", "serve", "--port", str(port), *args],
                                 stdout=f, stderr=subprocess.STDOUT, env=env)

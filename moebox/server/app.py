@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import HTTPConnection
 
 from moebox.errors import MoeboxError
 from moebox.runtime.engine import Event, QueueFull
@@ -69,13 +70,24 @@ def create_app(state: ServerState) -> FastAPI:
             msg = f"the request body is not valid JSON ({err.get('ctx', {}).get('error', msg)})"
         return JSONResponse(error_body(f"{where}: {msg}" if where else msg, param=where or None), status_code=400)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return JSONResponse(error_body("Invalid API key: pass it as 'Authorization: Bearer <key>'",
-                                               code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    class Auth:
+        """API-key check as plain ASGI middleware: `@app.middleware("http")` (BaseHTTPMiddleware) wraps `receive`
+        so that `Request.is_disconnected()` never sees a client leave, and a non-stream request would then
+        generate to the end for nobody."""
+
+        def __init__(self, app) -> None:
+            self.app = app
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] == "http" and state.api_key:
+                conn = HTTPConnection(scope)
+                if conn.url.path.startswith("/v1/") and conn.headers.get("authorization") != f"Bearer {state.api_key}":
+                    response = JSONResponse(error_body("Invalid API key: pass it as 'Authorization: Bearer <key>'",
+                                                       code="invalid_api_key"), status_code=401)
+                    return await response(scope, receive, send)
+            await self.app(scope, receive, send)
+
+    app.add_middleware(Auth)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -270,12 +282,19 @@ class Generation:
         """Events until every choice finished; cancels the engine requests if the consumer stops early or the
         client disconnects."""
         try:
+            next_check = time.monotonic() + 1.0
             while not all(self.done):
+                # look for a gone client about once a second, also while events keep coming (a non-stream
+                # request sends nothing until it is done, so only this notices its client leaving)
                 try:
-                    i, ev = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                    i, ev = await asyncio.wait_for(self.queue.get(), timeout=max(next_check - time.monotonic(), 0))
                 except asyncio.TimeoutError:
+                    i, ev = -1, None
+                if time.monotonic() >= next_check:
                     if await self.http.is_disconnected():
                         return
+                    next_check = time.monotonic() + 1.0
+                if ev is None:
                     continue
                 self.completion_tokens[i] = ev.completion_tokens
                 if ev.finish_reason:
