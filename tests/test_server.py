@@ -163,3 +163,14 @@ def test_impossible_plan_stops_serve_in_seconds(tiny_ckpt, tmp_path):
     assert r.returncode == 2 and time.time() - t0 < 60
     errors = [line for line in r.stderr.splitlines() if line.startswith("moebox: error:")]
     assert len(errors) == 1 and "memory" in errors[0] and "Traceback" not in r.stderr
+
+
+def test_completions_with_several_prompts(client):
+    prompts = ["Once upon a time", "The quick brown fox"]
+    r = client.completions.create(model="moebox-demo", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):       # greedy: each prompt's choices equal a request of its own
+        alone = client.completions.create(model="moebox-demo", prompt=prompt, max_tokens=6, temperature=0)
+        assert r.choices[2 * i].text == r.choices[2 * i + 1].text == alone.choices[0].text
+    assert r.usage.prompt_tokens == sum(client.completions.create(model="moebox-demo", prompt=p, max_tokens=1)
+                                        .usage.prompt_tokens for p in prompts)

@@ -151,7 +151,7 @@ def create_app(state: ServerState) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = sampling(state, body, check_context(llm, len(ids), max_tokens), skip_special_tokens=False)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        run = Generation(state, request, ids, params, body.n, logprobs, body.presence_penalty,
+        run = Generation(state, request, [ids], params, body.n, logprobs, body.presence_penalty,
                          body.frequency_penalty)
         if tools and tool_choice not in ("auto", "none"):
             # required / named: once the answer starts, open the tool-call block (and name the tool)
@@ -179,27 +179,28 @@ def create_app(state: ServerState) -> FastAPI:
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if len(prompts) != 1:
-            raise APIError(400, "send one prompt per request (batches of prompts are not supported)", param="prompt")
-        prompt = prompts[0]
-        ids = llm.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        params = sampling(state, body, check_context(llm, len(ids), body.max_tokens), skip_special_tokens=True)
+        if not prompts:
+            raise APIError(400, "prompt: give at least one prompt", param="prompt")
+        ids = [llm.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        max_tokens = min(check_context(llm, len(x), body.max_tokens) for x in ids)
+        params = sampling(state, body, max_tokens, skip_special_tokens=True)
         run = Generation(state, request, ids, params, body.n, body.logprobs, body.presence_penalty,
                          body.frequency_penalty)
         run.start()
         cmpl_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo = (prompt if isinstance(prompt, str) else llm.decode(ids)) if body.echo else ""
+        echoes = [(p if isinstance(p, str) else llm.decode(x)) if body.echo else "" for p, x in zip(prompts, ids)]
+        echo = [echoes[i // body.n] for i in range(run.n)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(run, completion_stream(run, cmpl_id, created, state.model_name, include_usage, echo))
-        texts, finishes, lps = [echo] * body.n, [None] * body.n, [[] for _ in range(body.n)]
+        texts, finishes, lps = list(echo), [None] * run.n, [[] for _ in range(run.n)]
         async for i, ev in run.events():
             texts[i] += ev.text
             lps[i] += ev.logprobs
             finishes[i] = ev.finish_reason or finishes[i]
         choices = [{"index": i, "text": texts[i], "finish_reason": finishes[i],
                     "logprobs": completion_logprobs(llm, lps[i]) if body.logprobs is not None else None}
-                   for i in range(body.n)]
+                   for i in range(run.n)]
         return {"id": cmpl_id, "object": "text_completion", "created": created, "model": state.model_name,
                 "choices": choices, "usage": run.usage()}
 
@@ -235,17 +236,18 @@ def sampling(state: ServerState, body, max_tokens: int, skip_special_tokens: boo
 
 
 class Generation:
-    """The n engine requests of one HTTP request, their events merged into one asyncio queue."""
+    """The engine requests of one HTTP request (n choices per prompt; choice index = prompt * n + j), their
+    events merged into one asyncio queue."""
 
-    def __init__(self, state: ServerState, http: Request, prompt_ids: list[int], params: SamplingParams, n: int,
+    def __init__(self, state: ServerState, http: Request, prompts: list[list[int]], params: SamplingParams, n: int,
                  logprobs: int | None, presence: float, frequency: float) -> None:
-        self.state, self.http, self.n = state, http, n
+        self.state, self.http, self.n = state, http, n * len(prompts)
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
-        self.prompt_tokens = len(prompt_ids)
-        self.completion_tokens = [0] * n
-        self.done = [False] * n
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.completion_tokens = [0] * self.n
+        self.done = [False] * self.n
 
         def callback(i: int):
             def on_event(ev: Event) -> None:
@@ -256,9 +258,10 @@ class Generation:
             return on_event
 
         self.requests = []
-        for i in range(n):
-            p = params if params.seed is None or i == 0 else SamplingParams(**{**vars(params), "seed": params.seed + i})
-            self.requests.append(EngineRequest(f"{base}-{i}", prompt_ids, p, callback(i), logprobs=logprobs,
+        for i in range(self.n):
+            j = i % n                     # choices of one prompt get seeds seed, seed+1, ...
+            p = params if params.seed is None or j == 0 else SamplingParams(**{**vars(params), "seed": params.seed + j})
+            self.requests.append(EngineRequest(f"{base}-{i}", prompts[i // n], p, callback(i), logprobs=logprobs,
                                                presence_penalty=presence, frequency_penalty=frequency))
 
     def start(self) -> None:
@@ -434,11 +437,11 @@ def completion_logprobs(llm, lps) -> dict[str, Any]:
 
 
 async def completion_stream(run: Generation, cmpl_id: str, created: int, model: str, include_usage: bool,
-                            echo: str) -> AsyncIterator[dict]:
+                            echo: list[str]) -> AsyncIterator[dict]:
     base = {"id": cmpl_id, "object": "text_completion", "created": created, "model": model}
-    if echo:
-        for i in range(run.n):
-            yield {**base, "choices": [{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]}
+    for i, text in enumerate(echo):
+        if text:
+            yield {**base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": None}]}
     async for i, ev in run.events():
         if ev.text or ev.finish_reason:
             lps = completion_logprobs(run.state.llm, ev.logprobs) if ev.logprobs else None
