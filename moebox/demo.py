@@ -39,10 +39,11 @@ def demo_model_dir() -> Path:
         log.info("writing the built-in demo model (synthetic %s) to %s", DEMO_PRESET, target)
         write_synthetic(tmp, DEMO_PRESET, seed=DEMO_SEED, progress=False)
         os.replace(tmp, target)
-    except OSError:
+    except OSError as e:
         if (target / "config.json").exists():      # another process won the race
             return target
-        raise
+        raise MoeboxError(f"cannot write the demo model to {target} ({e.strerror}); remove that directory or set "
+                          f"MOEBOX_CACHE to a writable directory") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

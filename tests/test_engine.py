@@ -52,10 +52,29 @@ def test_forced_continuation_replaces_samples(model):
     assert out[:3] == forced and len(out) == 6
 
 
-def test_frequency_penalty_changes_the_choice_as_defined():
-    logits = torch.tensor([3.0, 2.5, 0.0, 1.0])
+def test_penalties_follow_the_openai_definition_and_change_the_choice():
+    logits = torch.tensor([3.0, 2.5, 0.0, 2.2])
     penalized = apply_penalties(logits, [0, 0, 1], presence=0.5, frequency=0.4)
-    assert torch.allclose(penalized, torch.tensor([3.0 - 0.5 - 0.8, 2.5 - 0.5 - 0.4, 0.0, 1.0]))
+    assert torch.allclose(penalized, torch.tensor([3.0 - 0.5 - 0.8, 2.5 - 0.5 - 0.4, 0.0, 2.2]))
+    assert logits.argmax() == 0 and penalized.argmax() == 3       # the repeated tokens lose to an unseen one
+
+
+def test_forced_continuation_after_a_text_trigger(tiny_ckpt, model):
+    """The path tool_choice required/named takes in thinking mode: once the text contains the trigger, the
+    forced tokens follow."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(tiny_ckpt / "tokenizer.json"))
+    prompt = [0, 40, 41, 42]
+    free = run(Engine(model, tok, max_num_seqs=1, max_model_len=128), [Request("a", prompt, greedy(8), print)])
+    free_ids = tokens(free["a"])
+    texts = [""]                                          # the text the engine had after each token
+    for e in free["a"]:
+        texts.append(texts[-1] + e.text)
+    first = next(k for k in range(1, 6) if texts[k])     # the first token after which some text exists
+    forced = [7, 8, 9]
+    req = Request("b", prompt, greedy(8), print, force_after=texts[first], forced_ids=forced)
+    got = tokens(run(Engine(model, tok, max_num_seqs=1, max_model_len=128), [req])["b"])
+    assert got[:first] == free_ids[:first] and got[first:first + 3] == forced
 
 
 def test_queue_bound_and_cancellation_free_everything(model):

@@ -60,7 +60,10 @@ def test_chat_modes_and_n(client):
                                        seed=3, extra_body={"chat_template_kwargs": {"thinking": False}})
     assert [c.index for c in r.choices] == [0, 1]
     assert all(getattr(c.message, "reasoning_content", None) is None for c in r.choices)   # chat mode: no reasoning
-    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0     # prompt counted once for n=2
+    assert r.choices[0].message.content != r.choices[1].message.content    # choices get their own seeds
+    one = client.chat.completions.create(model="moebox-demo", messages=HELLO, max_tokens=6, n=1,
+                                         extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens                 # the prompt counts once for n=2
 
 
 def test_completions(client):

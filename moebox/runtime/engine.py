@@ -69,6 +69,7 @@ class Request:
     num_prefilled: int = 0
     out_ids: list[int] = field(default_factory=list)
     text: str = ""
+    decoded: int = 0                     # output tokens whose text is in `text`
     emitted_chars: int = 0
     finish_reason: str | None = None
     cancelled: bool = False
@@ -208,15 +209,19 @@ class Engine:
         rows = batch.last_rows()
         logits = self.model.forward(batch, self.cache, logits_rows=rows).logits
         now = time.perf_counter()
-        with self._lock:
-            for req, row in zip(samplers, logits):
-                if req is None or req.cancelled:
-                    continue
-                self._emit_token(req, row, now)
+        for req, row in zip(samplers, logits):
+            if req is None or req.cancelled:
+                continue
+            event = self._advance(req, row, now)
+            if event.finish_reason:
+                with self._lock:
+                    self._finish(req, event.finish_reason, notify=False)
+            req.on_event(event)
         return True
 
     # ------------------------------------------------------------------ sampling and output
-    def _emit_token(self, req: Request, row: torch.Tensor, now: float) -> None:
+    def _advance(self, req: Request, row: torch.Tensor, now: float) -> Event:
+        """Sample (or take the forced) next token, detokenize, apply stops. Touches only `req` (engine thread)."""
         p = req.params
         if req.presence_penalty or req.frequency_penalty:
             row = apply_penalties(row, req.out_ids, req.presence_penalty, req.frequency_penalty)
@@ -239,9 +244,8 @@ class Engine:
         finish = None
         if not forced and ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids):
             finish = "stop"
-        visible = req.out_ids[:-1] if finish else req.out_ids
         if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(visible, skip_special_tokens=p.skip_special_tokens)
+            self._detokenize(req, req.out_ids[:-1] if finish else req.out_ids, final=finish is not None)
             if p.stop:
                 hits = [req.text.find(s, max(0, req.emitted_chars - len(s))) for s in p.stop]
                 hits = [h for h in hits if h >= 0]
@@ -252,11 +256,10 @@ class Engine:
             req.force_after = None
         if finish is None and (len(req.out_ids) >= p.max_tokens or req.length >= self.max_model_len):
             finish = "length"
-        # hold back an incomplete UTF-8 sequence and what could still become a stop string
-        hold = 0
+            if self.tokenizer is not None:
+                self._detokenize(req, req.out_ids, final=True)
+        hold = 0              # what could still become a stop string stays back until it is decided
         if finish is None:
-            if req.text.endswith("\ufffd"):
-                hold = 1
             for s in p.stop:
                 for k in range(min(len(s) - 1, len(req.text)), 0, -1):
                     if req.text.endswith(s[:k]):
@@ -265,10 +268,21 @@ class Engine:
         upto = len(req.text) - hold
         delta = req.text[req.emitted_chars:upto] if upto > req.emitted_chars else ""
         req.emitted_chars = max(req.emitted_chars, upto)
-        event = Event([token], delta, [lp] if lp else [], finish, len(req.prompt_ids), len(req.out_ids))
-        if finish:
-            self._finish(req, finish, notify=False)
-        req.on_event(event)
+        return Event([token], delta, [lp] if lp else [], finish, len(req.prompt_ids), len(req.out_ids))
+
+    def _detokenize(self, req: Request, ids: list[int], final: bool) -> None:
+        """Extend `req.text` with the text of ids[req.decoded:], decoding only a few tokens of context (not the
+        whole output: that would cost O(n) per token). A tail that ends inside a UTF-8 character waits for the
+        next token, unless `final`."""
+        skip = req.params.skip_special_tokens
+        start = max(0, req.decoded - 4)           # context, so byte-level pieces decode the same as in full
+        prefix = self.tokenizer.decode(ids[start:req.decoded], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
+        tail = full[len(prefix):] if full.startswith(prefix) else \
+            self.tokenizer.decode(ids[req.decoded:], skip_special_tokens=skip)
+        if final or not tail.endswith("\ufffd"):
+            req.text += tail
+            req.decoded = len(ids)
 
     def _update_gauges(self) -> None:
         """Queue, running and cache gauges from the current state (lock held): set wherever it changes, so they

@@ -7,6 +7,7 @@ for a free cache slot, prefill in chunks, and decode together in one flat batch 
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -66,7 +67,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 class LLM:
     def __init__(self, model: str | Path, *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 8,
-                 seed: int = 0, load_mtp: bool = True, progress: bool = True, memory: int | str | None = None,
+                 seed: int = 0, load_mtp: bool = False, progress: bool = True, memory: int | str | None = None,
                  experts: str = "native", store_dir: str | Path | None = None,
                  max_num_batched_tokens: int = 2048, max_waiting: int = 1 << 30,
                  metrics: EngineMetrics | None = None) -> None:
@@ -87,10 +88,7 @@ class LLM:
                                                  kv_cache_dtype=kv_cache_dtype, load_mtp=load_mtp, experts=experts,
                                                  store_dir=store_dir, progress=progress)
         self.config = self.model.cfg
-        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
-        if self.max_model_len > self.config.max_position_embeddings:
-            raise MoeboxError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                              f"{self.config.max_position_embeddings}")
+        self.max_model_len = plan_len            # plan_for has checked it against max_position_embeddings
         self.max_num_seqs = max_num_seqs
         tok_path = Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
@@ -148,11 +146,17 @@ class LLM:
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             out = CompletionOutput([], "", "length")
             outputs.append(out)
-            reqs.append(Request(f"offline-{i}", self._check_ids(ids, p.max_tokens), p, partial(_collect, out)))
-        for req in reqs:
-            self.engine.submit(req)
-        while self.engine.has_work():
+            reqs.append(Request(f"offline-{uuid.uuid4().hex}-{i}", self._check_ids(ids, p.max_tokens), p, partial(_collect, out)))
+        try:
+            for req in reqs:
+                self.engine.submit(req)
+            while self.engine.has_work():
+                self.engine.step()
+        except BaseException:                      # leave the engine clean for the next call
+            for req in reqs:
+                self.engine.cancel(req.id)
             self.engine.step()
+            raise
         return [RequestOutput(p if isinstance(p, str) else None, r.prompt_ids, [o])
                 for p, r, o in zip(prompts, reqs, outputs)]
 

@@ -77,13 +77,13 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
         log.warning("%s: config declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; running without "
                     "the MTP block", model_dir, cfg.num_mtp_layers)
     use_mtp = load_mtp and has_mtp
+    qat = resolve_qat(kv_cache_dtype, ckpt.layout)      # a bad value fails before any weight is read
     weights: dict[str, Weight] = {}
     if experts == "w2":
         weights.update(load_expert_planes(ckpt, store_dir or default_store_dir(ckpt), device, progress))
     wanted = [n for n in names if (use_mtp or not n.startswith("mtp.")) and n not in weights]
     for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         weights[name] = ckpt.get(name).to(device)
-    qat = resolve_qat(kv_cache_dtype, ckpt.layout)
     model = DeepseekV4(cfg, weights.__getitem__, qat=qat, dtype=dtype, load_mtp=use_mtp,
                        kv_layout="fp8" if kv_cache_dtype == "fp8" else "model")
     log.info("loaded %s (%s layout, %d layers, %s experts, QAT rounding %s)", model_dir, ckpt.layout,

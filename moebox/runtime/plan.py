@@ -318,7 +318,6 @@ def parse_size(text: Any, flag: str = "--memory") -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise MoeboxError(f"{flag} {text!r}: not a size; give e.g. 121.7GiB, 80GB, 512MiB or a byte count")
         value, unit = float(m.group(1)), m.group(2).lower()
-    n = int(value * _UNITS[unit])
-    if n <= 0 or not math.isfinite(value):
-        raise MoeboxError(f"{flag} {text!r}: the size must be positive")
-    return n
+    if not math.isfinite(value * _UNITS[unit]) or value * _UNITS[unit] < 1:
+        raise MoeboxError(f"{flag} {text!r}: the size must be a positive, finite number of bytes")
+    return int(value * _UNITS[unit])

@@ -24,6 +24,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
+        if self.seed is not None:
+            self.seed %= 2**64                  # any integer is a seed; torch takes 64 bits
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -133,6 +133,8 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(body.model)
         llm = ready()
         tool_choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+        if tool_choice not in ("none", "auto") and not body.tools:
+            raise APIError(400, f"tool_choice {tool_choice!r} needs `tools`", param="tool_choice")
         tools = [t.model_dump(exclude_unset=True) for t in body.tools] if body.tools and tool_choice != "none" \
             else None
         if isinstance(tool_choice, dict):
@@ -182,7 +184,7 @@ def create_app(state: ServerState) -> FastAPI:
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", param="prompt")
         ids = [llm.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        max_tokens = min(check_context(llm, len(x), body.max_tokens) for x in ids)
+        max_tokens = min(check_context(llm, len(x), body.max_tokens, "prompt") for x in ids)
         params = sampling(state, body, max_tokens, skip_special_tokens=True)
         run = Generation(state, request, ids, params, body.n, body.logprobs, body.presence_penalty,
                          body.frequency_penalty)
@@ -198,6 +200,8 @@ def create_app(state: ServerState) -> FastAPI:
             texts[i] += ev.text
             lps[i] += ev.logprobs
             finishes[i] = ev.finish_reason or finishes[i]
+        if not all(run.done):
+            raise APIError(499, "client closed the request")
         choices = [{"index": i, "text": texts[i], "finish_reason": finishes[i],
                     "logprobs": completion_logprobs(llm, lps[i]) if body.logprobs is not None else None}
                    for i in range(run.n)]
@@ -208,7 +212,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # ---------------------------------------------------------------------------------------------- request helpers
-def check_context(llm, prompt_tokens: int, max_tokens: int | None) -> int:
+def check_context(llm, prompt_tokens: int, max_tokens: int | None, param: str = "messages") -> int:
     """The max_tokens to use, or the OpenAI-worded 400 when the request cannot fit the context."""
     limit = llm.max_model_len
     wanted = max_tokens if max_tokens is not None else max(limit - prompt_tokens, 0)
@@ -217,7 +221,7 @@ def check_context(llm, prompt_tokens: int, max_tokens: int | None) -> int:
                             f"{wanted} output tokens and your prompt contains at least {prompt_tokens} input tokens, "
                             f"for a total of at least {prompt_tokens + wanted} tokens. Please reduce the length of "
                             f"the input prompt or the number of requested output tokens.",
-                       code="context_length_exceeded", param="messages")
+                       code="context_length_exceeded", param=param)
     return wanted
 
 
@@ -260,7 +264,8 @@ class Generation:
         self.requests = []
         for i in range(self.n):
             j = i % n                     # choices of one prompt get seeds seed, seed+1, ...
-            p = params if params.seed is None or j == 0 else SamplingParams(**{**vars(params), "seed": params.seed + j})
+            p = params if params.seed is None or j == 0 else \
+                SamplingParams(**{**vars(params), "seed": (params.seed + j) % 2**64})
             self.requests.append(EngineRequest(f"{base}-{i}", prompts[i // n], p, callback(i), logprobs=logprobs,
                                                presence_penalty=presence, frequency_penalty=frequency))
 
@@ -275,6 +280,9 @@ class Generation:
         except MoeboxError as e:
             self.cancel()
             raise APIError(400, str(e)) from None
+        except BaseException:
+            self.cancel()
+            raise
 
     def cancel(self) -> None:
         for r, done in zip(self.requests, self.done):
@@ -355,7 +363,7 @@ def release_complete_calls(deltas: list[Delta], held: dict[int, Delta]) -> list[
         if d.kind == "tool_call" and d.id is not None:
             held[d.index] = d
         elif d.kind == "tool_call":
-            out += [held.pop(d.index), d]
+            out += [h for h in (held.pop(d.index, None), d) if h is not None]
         else:
             out.append(d)
     return out

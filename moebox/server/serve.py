@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
                       max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
                       experts=args.experts, store_dir=args.store, memory=args.memory, seed=args.seed,
                       metrics=state.metrics, progress=False)
+            if llm.tokenizer is None:
+                raise MoeboxError(f"{model}: no tokenizer.json; the server needs the model's tokenizer")
             threading.Thread(target=llm.engine.run, name="moebox-engine", daemon=True).start()
             state.llm = llm
             log.info("ready: serving %r at http://%s:%d/v1 (max_model_len %d, %d sequences)", name, args.host,
@@ -98,4 +100,6 @@ def run(args: argparse.Namespace) -> int:
     log.info("moebox serve: %s on http://%s:%d (loading %s)", name, args.host, args.port, model)
     threading.Thread(target=load, name="moebox-loader", daemon=True).start()
     server.run()
+    if state.llm is not None:
+        state.llm.engine.stop()
     return 2 if state.failed else 0

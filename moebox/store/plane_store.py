@@ -119,7 +119,7 @@ class PlaneStore:
         try:
             found = json.loads(side.read_text())
             complete = sorted(int(x) for x in found.get("layers_complete", []))
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, AttributeError) as e:
             log.warning("plane store %s: unreadable sidecar (%s); rebuilding", self.path, e)
             return []
         expected = self._expected_sidecar(complete)

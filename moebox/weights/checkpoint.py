@@ -67,7 +67,14 @@ def _read_header(path: Path) -> tuple[int, dict[str, dict]]:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: header is not valid JSON, not a safetensors file; re-download it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object, not a safetensors file; re-download it")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        if not (isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
+                and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2):
+            raise CheckpointError(f"{path}: header entry for tensor '{name}' is malformed (needs dtype, shape and "
+                                  f"data_offsets); re-download it")
     return 8 + n, header
 
 
