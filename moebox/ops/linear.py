@@ -1,6 +1,7 @@
-"""y = x W^T for weights in any stored format (float, FP8 block-scaled, FP4, 2-bit planes): the torch reference.
+"""y = x W^T for weights in any stored format (float, FP8 block-scaled, FP4, 2-bit planes).
 
-The reference dequantizes the whole weight per call; CUDA kernels replace this where it matters.
+On CUDA an FP8 weight goes through the Triton FP8 kernel (the weight is never widened in memory); everything
+else, and every CPU run, is the torch reference: dequantize the whole weight per call (slow, exact).
 """
 
 from __future__ import annotations
@@ -19,4 +20,8 @@ def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    if x.is_cuda and isinstance(w, QuantTensor) and w.kind == "fp8":
+        from moebox.ops.triton.fp8_linear import fp8_linear
+        y = fp8_linear(x.reshape(-1, x.shape[-1]), w)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     return F.linear(x, dense_weight(w, x.dtype))
