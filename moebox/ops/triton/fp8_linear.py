@@ -89,14 +89,7 @@ import torch.nn.functional as F
 
 from moebox.weights.formats import QuantTensor
 
-try:  # Triton is optional: off CUDA the torch reference runs
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from moebox.ops.triton.runtime import HAVE_TRITON, tl, triton  # noqa: F401 - Triton is optional
 
 BLOCK = 128  # the FP8 scale block, both dimensions; also the kernel's K step
 

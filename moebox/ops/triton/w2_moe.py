@@ -75,14 +75,7 @@ import torch
 from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
-try:  # Triton is optional: off CUDA the torch reference runs
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from moebox.ops.triton.runtime import HAVE_TRITON, tl, triton  # noqa: F401 - Triton is optional
 
 
 @dataclass(frozen=True)
