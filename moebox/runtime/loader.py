@@ -35,13 +35,7 @@ def resolve_qat(kv_cache_dtype: str, layout: str) -> bool:
     return kv_cache_dtype == "fp8"
 
 
-def default_store_dir(ckpt: Checkpoint) -> Path:
-    from moebox.demo import cache_root
-    from moebox.store.pack import checkpoint_identity
-    return cache_root() / "stores" / checkpoint_identity(ckpt).removeprefix("sha256:")[:16]
-
-
-def load_expert_planes(ckpt: Checkpoint, store_dir: str | Path, device: str | torch.device,
+def load_expert_planes(ckpt: Checkpoint, store_dir: str | Path | None, device: str | torch.device,
                        progress: bool) -> dict[str, Weight]:
     """Routed experts as 2-bit planes from the store, packing whatever layers it lacks first."""
     from moebox.store.pack import expert_layers, pack, prepare_store
@@ -80,7 +74,7 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
     qat = resolve_qat(kv_cache_dtype, ckpt.layout)      # a bad value fails before any weight is read
     weights: dict[str, Weight] = {}
     if experts == "w2":
-        weights.update(load_expert_planes(ckpt, store_dir or default_store_dir(ckpt), device, progress))
+        weights.update(load_expert_planes(ckpt, store_dir, device, progress))
     wanted = [n for n in names if (use_mtp or not n.startswith("mtp.")) and n not in weights]
     for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         weights[name] = ckpt.get(name).to(device)

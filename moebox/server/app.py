@@ -27,7 +27,7 @@ from moebox.runtime.engine import Request as EngineRequest
 from moebox.runtime.metrics import EngineMetrics
 from moebox.runtime.sampler import SamplingParams
 from moebox.server.chat_format import DSML, THINK_END, TOOL_CALLS_START, encode_messages, resolve_thinking
-from moebox.server.parsers import Delta, OutputParser
+from moebox.server.parsers import Delta, OutputParser, assemble
 from moebox.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 log = logging.getLogger("moebox")
@@ -414,16 +414,9 @@ async def chat_choices(run: Generation, parsers: list[OutputParser], llm) -> lis
         raise APIError(499, "client closed the request")
     choices = []
     for i, ds in enumerate(deltas):
-        reasoning = "".join(d.text for d in ds if d.kind == "reasoning")
-        content = "".join(d.text for d in ds if d.kind == "content")
-        calls, held = [], {}
-        for d in release_complete_calls([d for d in ds if d.kind == "tool_call"], held):
-            if d.id is not None:
-                calls.append({"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
-            else:
-                calls[-1]["function"]["arguments"] = d.arguments
+        reasoning, content, calls = assemble(ds)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""),
-                                   "reasoning_content": reasoning or None}
+                                   "reasoning_content": reasoning}
         if calls:
             message["tool_calls"] = calls
         choices.append({"index": i, "message": message, "finish_reason": finishes[i],

@@ -58,19 +58,25 @@ def expert_layers(ckpt: Checkpoint) -> list[str]:
     return prefixes
 
 
-def open_store(ckpt: Checkpoint, store_dir: str | Path) -> PlaneStore:
+def open_store(ckpt: Checkpoint, store_dir: str | Path, identity: str | None = None) -> PlaneStore:
+    """The store for `ckpt` in `store_dir`; pass `identity` when it is already known (computing it reads the
+    checkpoint's small dense tensors)."""
     cfg = ckpt.config
     shape = StoreShape(layers=len(expert_layers(ckpt)), experts=cfg.n_routed_experts, hidden=cfg.hidden_size,
                        intermediate=cfg.moe_intermediate_size)
-    return PlaneStore(store_dir, shape, checkpoint_identity(ckpt))
+    return PlaneStore(store_dir, shape, identity or checkpoint_identity(ckpt))
 
 
-def prepare_store(ckpt: Checkpoint, store_dir: str | Path) -> PlaneStore:
+def prepare_store(ckpt: Checkpoint, store_dir: str | Path | None, identity: str | None = None) -> PlaneStore:
     """The store for `ckpt`, after the checks that must pass before any work: a store that still needs
     layers must be a writable directory outside the model directory with room for them. A complete store
-    is only read (a read-only mount is fine)."""
+    is only read (a read-only mount is fine). Without `store_dir`, a directory per checkpoint in the cache."""
+    from moebox.demo import cache_root
     from moebox.runtime.dirs import check_store_dir
-    store = open_store(ckpt, store_dir)
+    identity = identity or checkpoint_identity(ckpt)
+    if store_dir is None:
+        store_dir = cache_root() / "stores" / identity.removeprefix("sha256:")[:16]
+    store = open_store(ckpt, store_dir, identity)
     missing = store.missing_layers()
     if missing:
         check_store_dir(store_dir, ckpt.dir, len(missing) * store.shape.layer_bytes)
