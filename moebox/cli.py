@@ -101,6 +101,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _configure_plan(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("The defaults describe a long-context single-user deployment (w2 experts, 64K context, 1 sequence), "
+                "not `moebox serve`'s defaults (native experts, 4096, 8 sequences): pass the flags you will serve "
+                "with. `serve` prints its own plan at start.")
     p.add_argument("model", help="model directory (only its config.json is read)")
     p.add_argument("--memory", default=None, help="memory budget, e.g. 121.7GiB, 80GB, 512MiB "
                    "(default: MemAvailable of this machine)")
