@@ -1,4 +1,7 @@
-"""The MoE feed-forward of every DeepSeek-V4 block: routed experts (hash or scored routing) + shared expert."""
+"""The MoE feed-forward of every DeepSeek-V4 block: routed experts (hash or scored routing) + shared expert.
+
+Routed experts run through the torch reference (`ops.moe.routed_experts`), except for a decode batch of w2
+experts on CUDA, which takes the fused Triton kernels over the plane store's layer buffer (zero-copy views)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ from moebox.ops.linear import Weight
 from moebox.ops.moe import mlp, route, routed_experts
 
 
+DECODE_TOKENS = 16     # up to this many tokens, w2 experts on CUDA run the fused Triton decode kernels
+
+
 class MoE:
     def __init__(self, cfg: ModelConfig, get: WeightSource, prefix: str, is_hash: bool) -> None:
         self.cfg = cfg
@@ -19,6 +25,10 @@ class MoE:
         self.shared = tuple(get(f"{prefix}shared_experts.{w}.weight") for w in ("w1", "w3", "w2")) \
             if cfg.n_shared_experts else None
         self._get, self._prefix = get, prefix
+        try:                                    # a plane-store layer buffer [experts, slot] when experts are w2
+            self.layer_planes = get(prefix + "experts.planes")
+        except KeyError:
+            self.layer_planes = None
 
     def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
         p = f"{self._prefix}experts.{e}."
@@ -29,7 +39,12 @@ class MoE:
         idx, w = route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, tokens=tokens,
                        top_k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
                        norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
-        out = routed_experts(x, idx, w, self.expert, cfg.swiglu_limit)
+        if self.layer_planes is not None and x.is_cuda and x.shape[0] <= DECODE_TOKENS:
+            from moebox.ops.triton.w2_moe import layer_views, w2_moe_decode_split
+            views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
+            out = w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit)
+        else:
+            out = routed_experts(x, idx, w, self.expert, cfg.swiglu_limit)
         if self.shared is not None:
             out = out + mlp(x, *self.shared, limit=None)   # the reference does not clamp the shared expert
         return out

@@ -51,6 +51,7 @@ def load_expert_planes(ckpt: Checkpoint, store_dir: str | Path | None, device: s
     for layer, prefix in enumerate(tqdm(expert_layers(ckpt), desc="reading planes", unit="layer",
                                         disable=not progress, leave=False)):
         buf = store.read_layer(layer).to(device)
+        weights[f"{prefix}planes"] = buf          # the whole layer, for the fused GPU kernel
         for e in range(store.shape.experts):
             for t, planes in zip(("w1", "w3", "w2"), store.expert_planes(buf, e)):
                 weights[f"{prefix}{e}.{t}.weight"] = planes
