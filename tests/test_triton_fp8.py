@@ -12,13 +12,7 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +22,10 @@ from moebox.ops.triton.fp8_linear import (BLOCK, V4_FLASH_SHAPES, Fp8Config, fp8
                                           pick_config, resolve_split)
 from moebox.weights.formats import QuantTensor, quant_fp8_block
 
+from tests.interpreter import check_in_interpreter
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ROOT = Path(__file__).resolve().parent.parent
+
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -129,18 +125,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
 def test_kernel_in_triton_interpreter() -> None:
     """Tiny odd shapes through the real kernels in Triton's CPU interpreter, vs the reference."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK, str(ROOT)], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
-    elapsed = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    results = json.loads(line[len("RESULT "):])
-    print(f"interpreter check: {len(results)} cases in {elapsed:.1f} s")
-    for r in results:
-        assert r["same_buffer"] and r["finite"], r
-        assert r["ref_norm"] > 0 and r["rel"] < r["tol"], r
+    check_in_interpreter(_INTERPRETER_CHECK)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -9,13 +9,7 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +18,10 @@ from moebox.ops.triton.w2_moe import (expert_bytes, layer_views, random_planes, 
                                       w2_moe_decode, w2_moe_decode_reference)
 from moebox.quant.w2 import W2Tensor, from_float
 
+from tests.interpreter import check_in_interpreter
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ROOT = Path(__file__).resolve().parent.parent
+
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -138,18 +134,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
 def test_kernels_in_triton_interpreter() -> None:
     """Tiny shapes through the real kernels in Triton's CPU interpreter, fp32, vs the reference."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK, str(ROOT)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    elapsed = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    results = json.loads(line[len("RESULT "):])
-    print(f"interpreter check: {len(results)} cases in {elapsed:.1f} s")
-    for r in results:
-        assert r["same_buffer"] and r["finite"], r
-        assert r["ref_norm"] > 0 and r["rel"] < 1e-5, r
+    check_in_interpreter(_INTERPRETER_CHECK)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

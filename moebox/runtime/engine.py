@@ -110,15 +110,22 @@ class Engine:
         self._stopped = False
 
     # ------------------------------------------------------------------ client side (any thread)
-    def submit(self, req: Request) -> None:
+    def check_prompt(self, ids: list[int], max_tokens: int) -> list[int]:
+        """The prompt as ints, or a MoeboxError saying what is wrong with it."""
+        ids = [int(i) for i in ids]
         vocab = self.model.cfg.vocab_size
-        if not req.prompt_ids:
+        if not ids:
             raise MoeboxError("empty prompt: give at least one token")
-        if any(not 0 <= t < vocab for t in req.prompt_ids):
-            raise MoeboxError(f"prompt has a token id outside the vocabulary [0, {vocab})")
-        if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
-            raise MoeboxError(f"prompt of {len(req.prompt_ids)} tokens + max_tokens {req.params.max_tokens} exceeds "
-                              f"max_model_len {self.max_model_len}")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise MoeboxError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise MoeboxError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds max_model_len "
+                              f"{self.max_model_len}")
+        return ids
+
+    def submit(self, req: Request) -> None:
+        req.prompt_ids = self.check_prompt(req.prompt_ids, req.params.max_tokens)
         req.generator = torch.Generator().manual_seed(req.params.seed) if req.params.seed is not None else None
         if req.force_after == "":
             req.pending_forced.extend(req.forced_ids)

@@ -109,23 +109,11 @@ class LLM:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _check_ids(self, ids: Sequence[int], max_tokens: int) -> list[int]:
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise MoeboxError("empty prompt: give at least one token")
-        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-        if bad:
-            raise MoeboxError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        if len(ids) + max_tokens > self.max_model_len:
-            raise MoeboxError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds max_model_len "
-                              f"{self.max_model_len}")
-        return ids
-
     # ------------------------------------------------------------------ analysis
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Full-sequence next-token logits [len, vocab] (fp32) for one token sequence, without a cache."""
-        ids = self._check_ids(token_ids, 0)
+        ids = self.engine.check_prompt(list(token_ids), 0)
         batch = FlatBatch.build([(0, 0, ids)], self.device)
         return self.model.forward(batch, None, logits_rows=torch.arange(len(ids), device=self.device)).logits
 
@@ -146,7 +134,8 @@ class LLM:
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             out = CompletionOutput([], "", "length")
             outputs.append(out)
-            reqs.append(Request(f"offline-{uuid.uuid4().hex}-{i}", self._check_ids(ids, p.max_tokens), p, partial(_collect, out)))
+            reqs.append(Request(f"offline-{uuid.uuid4().hex}-{i}", self.engine.check_prompt(ids, p.max_tokens), p,
+                                partial(_collect, out)))
         try:
             for req in reqs:
                 self.engine.submit(req)

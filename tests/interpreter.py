@@ -1,0 +1,27 @@
+"""Run a kernel check script under Triton's CPU interpreter (TRITON_INTERPRET is read at import, hence a
+subprocess). The script prints one line `RESULT <json list of cases>`; each case has `same_buffer`, `finite`,
+`rel` and `ref_norm`, and may carry its own `tol`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def check_in_interpreter(script: str, default_tol: float = 1e-5) -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT)], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    results = json.loads(line[len("RESULT "):])
+    print(f"interpreter check: {len(results)} cases in {time.monotonic() - t0:.1f} s")
+    for r in results:
+        assert r["same_buffer"] and r["finite"], r
+        assert r["ref_norm"] > 0 and r["rel"] < r.get("tol", default_tol), r
