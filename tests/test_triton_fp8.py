@@ -1,25 +1,29 @@
 """The Triton FP8 block-scaled linear (moebox/ops/triton/fp8_linear.py) against the torch reference.
 
-- CPU: the reference/dispatcher, the tiling choice, argument checks; the kernels themselves in Triton's
-  interpreter (TRITON_INTERPRET=1 is read when triton is imported, so that check runs in a subprocess), fp32 x
-  (and fp16 x, and bf16 x with bf16_as_fp16, which run the GPU's single-dot path: the interpreter's bf16 dot is
-  broken), tiny odd shapes.
-- GPU (marker `gpu`, skipped without CUDA): the V4-Flash dense shapes and odd shapes, N in {1, 3, 16, 64, 300},
-  bf16 and fp32 x, weights from `quant_fp8_block` of random floats whose magnitude differs per 128x128 block,
-  outputs poisoned with NaN before each run; forced tilings (split-K on/off), fp16 x, strided x, a CUDA graph.
+- CPU: the reference/dispatcher, the kernel and tiling choice, argument and config checks; the kernels themselves
+  in Triton's interpreter (TRITON_INTERPRET=1 is read when triton is imported, so those checks run in a
+  subprocess) on tiny odd shapes: the dot kernel with fp32 x (and fp16 x, and bf16 x with bf16_as_fp16, which
+  run the GPU's single-dot path: the interpreter's bf16 dot is broken), the GEMV with fp32, fp16 and bf16 x
+  (no dot), full and partial K steps, split-K, several token blocks, strided x.
+- GPU (marker `gpu`, skipped without CUDA): the V4-Flash dense shapes and odd shapes, N in {1, 3, 16, 64, 300}
+  with the default picks and N in {1, 3, 16} with the GEMV forced, bf16 and fp32 x, weights from
+  `quant_fp8_block` of random floats whose magnitude differs per 128x128 block, outputs poisoned with NaN before
+  each run (and two runs bitwise equal); forced tilings of both kernels, fp16 x, strided x, CUDA-graph replay.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moebox.ops.triton.fp8_linear import (BLOCK, V4_FLASH_SHAPES, Fp8Config, fp8_linear, fp8_linear_reference,
-                                          pick_config, resolve_split)
+import moebox.ops.triton.fp8_linear as fp8_mod
+from moebox.ops.triton.fp8_linear import (BLOCK, GEMV_MAX_N, V4_FLASH_SHAPES, Fp8Config, fp8_linear,
+                                          fp8_linear_reference, pick_config, resolve_split)
 from moebox.weights.formats import QuantTensor, quant_fp8_block
 
 from tests.interpreter import check_in_interpreter
@@ -69,18 +73,66 @@ def test_argument_checks() -> None:
         fp8_linear_reference(torch.randn(3, 200), torch.randn(130, 200))  # type: ignore[arg-type]
 
 
-def test_pick_config_fills_the_device() -> None:
-    for _, out_f, in_f in V4_FLASH_SHAPES + (("odd", 300, 200),):
-        kb = -(-in_f // BLOCK)
-        for n in (1, 3, 16, 64, 300, 2048):
+def test_pick_config_fills_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heuristics (TUNED_DECODE emptied): GEMV for N <= GEMV_MAX_N, dot decode tiles up to 16, GEMM tiles
+    above; every split has work, and decode calls on weights of 2 MB and up give every SM a program or more."""
+    monkeypatch.setattr(fp8_mod, "TUNED_DECODE", {})
+    for _, out_f, in_f in V4_FLASH_SHAPES + (("odd", 300, 200), ("odd", 130, 4100)):
+        for n in (1, 3, 8, 9, 16, 64, 300, 2048):
             cfg = pick_config(n, out_f, in_f, sms=132)
-            assert cfg.block_n == 16 if n <= 16 else cfg.block_n >= 64
-            assert 1 <= cfg.split_k <= kb
-            per = -(-kb // cfg.split_k)
-            assert -(-kb // per) == cfg.split_k  # every split has work
-            if n <= 16 and out_f * in_f >= 1 << 21:  # decode, weights of 2 MB and up: ~2+ programs per SM
-                assert -(-out_f // cfg.block_o) * cfg.split_k >= 256, (out_f, in_f, cfg)
+            steps = -(-in_f // cfg.block_k)
+            assert 1 <= cfg.split_k <= steps
+            assert -(-steps // -(-steps // cfg.split_k)) == cfg.split_k  # every split has work
+            programs = -(-n // cfg.block_n) * -(-out_f // cfg.block_o) * cfg.split_k
+            if n <= GEMV_MAX_N:
+                assert cfg.kernel == "gemv" and cfg.block_n == min(4, 1 << (n - 1).bit_length()), (n, cfg)
+                assert BLOCK <= cfg.block_k <= max(BLOCK, 2 * in_f) and cfg.block_o <= 16
+                assert cfg.block_o * cfg.block_k <= 8192 and cfg.num_stages == (3 if steps > 1 else 1)
+                if out_f * in_f >= 1 << 21:
+                    assert programs >= 132, (out_f, in_f, cfg)
+            else:
+                assert cfg.kernel == "dot" and cfg.block_k == BLOCK
+                assert cfg.block_n == 16 if n <= 16 else cfg.block_n >= 64
+                if n <= 16 and out_f * in_f >= 1 << 21:  # dot decode: ~2+ programs per SM
+                    assert programs >= 256, (out_f, in_f, cfg)
+    assert pick_config(1, 4096, 8192).block_k == 1024  # wo_b: 8 rows x 1024 columns per step
     assert resolve_split(Fp8Config(split_k=3), 1, 512, 4096).split_k == 3
+    gemv = Fp8Config(1, 1, 0, kernel="gemv", block_k=512)
+    assert resolve_split(gemv, 1, 64, 8192).split_k == 4      # 64 programs < 132 SMs: 16 steps, 4 splits
+    assert resolve_split(gemv, 1, 512, 8192).split_k == 1
+
+
+def test_pick_config_takes_tuned_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = Fp8Config(1, 8, 0, 4, 3, kernel="gemv", block_k=1024)
+    b = Fp8Config(16, 32, 2, 4, 4)
+    monkeypatch.setattr(fp8_mod, "TUNED_DECODE", {(4096, 8192): ((1, a), (16, b))})
+    assert pick_config(1, 4096, 8192) == replace(a, split_k=1)
+    assert pick_config(3, 4096, 8192) == b and pick_config(16, 4096, 8192) == b
+    assert pick_config(17, 4096, 8192).block_n >= 64              # prefill ignores the table
+    assert pick_config(1, 4096, 4096).kernel == "gemv"            # other shapes: the heuristic
+
+
+def test_sweep_variants_are_valid() -> None:
+    """What --sweep times: the dot default first, then the GEMV default, all distinct and accepted by the
+    config checks, at most 128 bytes of weight per thread and K step."""
+    for _, out_f, in_f in V4_FLASH_SHAPES:
+        for n in (1, 4, 16):
+            vs = fp8_mod._sweep_variants(n, out_f, in_f)
+            assert vs[0].kernel == "dot" and vs[1] == fp8_mod._gemv_config(n, out_f, in_f, 132)
+            assert len(set(vs)) == len(vs) >= 4
+            for cfg in vs:
+                fp8_mod._check_config(cfg)
+                assert cfg.kernel == "dot" or cfg.block_o * cfg.block_k <= 128 * 32 * cfg.num_warps
+
+
+def test_config_checks() -> None:
+    for bad in (Fp8Config(kernel="mma"), Fp8Config(kernel="gemv", block_k=192), Fp8Config(block_k=256),
+                Fp8Config(block_o=24, kernel="gemv")):
+        with pytest.raises(ValueError):
+            fp8_mod._check_config(bad)
+    assert "gemv 4x8x1024 w4 s3" in Fp8Config(4, 8, 0, 4, 3, kernel="gemv", block_k=1024).label
+    assert fp8_mod._config_src(Fp8Config(1, 8, kernel="gemv", block_k=1024)) == \
+        "Fp8Config(block_n=1, block_o=8, kernel='gemv', block_k=1024)"
 
 
 _INTERPRETER_CHECK = textwrap.dedent("""
@@ -94,12 +146,13 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     results = []
     w = block_weight(130, 200, seed=3)            # 2 x 2 scale blocks, both with a tail
     w_u8 = QuantTensor("fp8", w.data, w.scale.view(torch.uint8))
-    # (N, x dtype, config): the automatic tilings (decode split-K, prefill tile), then forced ones:
-    # decode without split, split-K with a short last split, several N blocks, a wide prefill tile
-    cases = [(1, torch.float32, None), (20, torch.float32, None),
+    # (N, x dtype, config): the dot kernel (decode N picks the GEMV by default) with its automatic splits
+    # (decode split-K, the prefill tile), then forced ones: decode without split, split-K with a short last
+    # split, several N blocks, a wide prefill tile
+    cases = [(1, torch.float32, Fp8Config()), (20, torch.float32, None),
              (1, torch.float32, Fp8Config(16, 16, 1)), (3, torch.float32, Fp8Config(16, 32, 2, 4, 3)),
              (20, torch.float32, Fp8Config(16, 64, 2)), (20, torch.float32, Fp8Config(32, 128, 1, 4, 2)),
-             (3, torch.float16, None), (20, torch.float16, Fp8Config(16, 16, 2)),
+             (3, torch.float16, Fp8Config(16, 16)), (20, torch.float16, Fp8Config(16, 16, 2)),
              (3, torch.bfloat16, Fp8Config(16, 32, 0, bf16_as_fp16=True))]
     for n, dtype, cfg in cases:
         x = torch.randn(n, 200).to(dtype)
@@ -113,7 +166,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     # x with a row stride (a column slice of a wider tensor)
     xw = torch.randn(4, 256)
     x = xw[:, 20:220]
-    y = fp8_linear_triton(x, w)
+    y = fp8_linear_triton(x, w, config=Fp8Config())
     ref = fp8_linear_reference(x, w)
     results.append(dict(case="strided x", same_buffer=True, finite=bool(torch.isfinite(y).all()),
                         rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm()), tol=1e-5))
@@ -126,6 +179,65 @@ _INTERPRETER_CHECK = textwrap.dedent("""
 def test_kernel_in_triton_interpreter() -> None:
     """Tiny odd shapes through the real kernels in Triton's CPU interpreter, vs the reference."""
     check_in_interpreter(_INTERPRETER_CHECK)
+
+
+_GEMV_INTERPRETER_CHECK = textwrap.dedent("""
+    import json, os, sys, torch
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, sys.argv[1])
+    from moebox.ops.triton.fp8_linear import Fp8Config, fp8_linear_reference, fp8_linear_triton, pick_config
+    from moebox.weights.formats import QuantTensor
+    from tests.test_triton_fp8 import block_weight
+    torch.manual_seed(0)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    g = lambda bn, bo, bk, split=0, warps=4, stages=1: Fp8Config(bn, bo, split, warps, stages, kernel="gemv",
+                                                                 block_k=bk)
+    results = []
+    # 130 x 200: 2 x 2 scale blocks, both with a tail; 37 x 261: in not a multiple of 4 (byte-wise loads)
+    w1 = block_weight(130, 200, seed=3)
+    w2 = block_weight(37, 261, seed=4)
+    w1_u8 = QuantTensor("fp8", w1.data, w1.scale.view(torch.uint8))
+    # (weight, N, x dtype, config): the default pick (one partial step), then a full + a partial step, split-K
+    # with the partial step alone in the last split, several token blocks (the last one short), a step past
+    # the row, 2 warps, the pipelined loop (run unpipelined here) with fp16 x, bf16 x (no dot in the GEMV)
+    cases = [(w2, 1, torch.float32, None), (w1, 1, torch.float32, g(1, 4, 128)),
+             (w1, 3, torch.float32, g(4, 8, 128, split=2, stages=3)), (w1_u8, 5, torch.float32, g(2, 8, 256)),
+             (w2, 1, torch.float32, g(1, 16, 128, warps=2)), (w2, 6, torch.float32, g(4, 4, 128, split=3)),
+             (w1, 3, torch.float16, g(4, 32, 128, stages=2)), (w2, 2, torch.bfloat16, g(2, 4, 256))]
+    for w, n, dtype, cfg in cases:
+        out_f, in_f = w.data.shape
+        assert cfg is not None or pick_config(n, out_f, in_f).kernel == "gemv"
+        x = torch.randn(n, in_f).to(dtype)
+        out = torch.full((n, out_f), float("nan"), dtype=dtype)
+        y = fp8_linear_triton(x, w, out=out, config=cfg)
+        ref = fp8_linear_reference(x.float(), w1 if w is w1_u8 else w)
+        results.append(dict(case=[n, str(dtype), str(cfg)], same_buffer=y.data_ptr() == out.data_ptr(),
+                            finite=bool(torch.isfinite(y).all()), rel=float((y.float() - ref).norm() / ref.norm()),
+                            ref_norm=float(ref.norm()), tol=tol[dtype]))
+    # x with a row stride (a column slice of a wider tensor)
+    xw = torch.randn(3, 300)
+    x = xw[:, 30:291]
+    y = fp8_linear_triton(x, w2, config=g(4, 4, 128))
+    ref = fp8_linear_reference(x, w2)
+    results.append(dict(case="strided x", same_buffer=True, finite=bool(torch.isfinite(y).all()),
+                        rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm()), tol=1e-5))
+    print("RESULT " + json.dumps(results))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_gemv_in_triton_interpreter() -> None:
+    """The CUDA-core GEMV on tiny odd shapes in Triton's CPU interpreter, vs the reference."""
+    check_in_interpreter(_GEMV_INTERPRETER_CHECK)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_bad_config_is_rejected_before_launch() -> None:
+    from moebox.ops.triton.fp8_linear import fp8_linear_triton
+    w = block_weight(130, 200)
+    with pytest.raises(ValueError):
+        fp8_linear_triton(torch.randn(1, 200), w, config=Fp8Config(1, 4, kernel="gemv", block_k=100))
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -141,7 +253,7 @@ def _gpu_weight(out_f: int, in_f: int) -> QuantTensor:
 
 
 def _check_gpu(w: QuantTensor, n: int, dtype: torch.dtype, config: Fp8Config | None = None,
-               x: torch.Tensor | None = None) -> torch.Tensor:
+               x: torch.Tensor | None = None, tol: float | None = None) -> torch.Tensor:
     from moebox.ops.triton.fp8_linear import fp8_linear_triton
     out_f, in_f = w.data.shape
     if x is None:
@@ -152,7 +264,9 @@ def _check_gpu(w: QuantTensor, n: int, dtype: torch.dtype, config: Fp8Config | N
         ref = fp8_linear_reference(x.float(), w)  # fp32 reference on the same inputs
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
+    if tol is None:
+        tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
+    ys = []
     for _ in range(2):  # a second run into a re-poisoned buffer: nothing stale is left from the first
         out = torch.full((n, out_f), float("nan"), device="cuda", dtype=dtype)
         y = fp8_linear_triton(x, w, out=out, config=config)
@@ -161,6 +275,8 @@ def _check_gpu(w: QuantTensor, n: int, dtype: torch.dtype, config: Fp8Config | N
         assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} elements not written or not finite"
         assert rel_err(y, ref) < tol, (rel_err(y, ref), tol)
         assert float((y.float() - ref).abs().max()) <= 4 * tol * float(ref.abs().max())
+        ys.append(y)
+    assert torch.equal(ys[0], ys[1])  # deterministic (split-K sums in a fixed order)
     return y
 
 
@@ -194,6 +310,42 @@ def test_gpu_forced_tilings(config: Fp8Config) -> None:
         _check_gpu(w, 17, torch.float32, config=config if config.block_n * config.block_o <= 64 * 128 else None)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gemv_matches_reference(shape: tuple, n: int, dtype: torch.dtype) -> None:
+    """The GEMV with its default tiling for the shape, whatever pick_config chooses (fp32 math: fp32 x is
+    exact to ~1e-7, so 1e-5 here)."""
+    _, out_f, in_f = shape
+    cfg = fp8_mod._gemv_config(n, out_f, in_f, torch.cuda.get_device_properties(0).multi_processor_count)
+    _check_gpu(_gpu_weight(out_f, in_f), n, dtype, config=cfg, tol=1e-5 if dtype == torch.float32 else None)
+
+
+GEMV_CONFIGS = [Fp8Config(1, 1, 0, 4, 1, kernel="gemv", block_k=4096),
+                Fp8Config(1, 2, 0, 8, 1, kernel="gemv", block_k=4096),
+                Fp8Config(4, 8, 0, 4, 3, kernel="gemv", block_k=1024),
+                Fp8Config(2, 16, 3, 4, 4, kernel="gemv", block_k=512),
+                Fp8Config(8, 32, 0, 4, 3, kernel="gemv", block_k=256),
+                Fp8Config(4, 4, 8, 2, 2, kernel="gemv", block_k=128),
+                Fp8Config(1, 8, 2, 8, 3, kernel="gemv", block_k=2048)]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.label.replace(" ", "-"))
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gemv_forced_tilings(config: Fp8Config) -> None:
+    """Forced GEMV tilings (rows, K step, warps, stages, tokens per program, split-K): bf16 x at N = 1, 3, 16 on
+    an odd and two V4 shapes, fp16 and fp32 x at N = 3."""
+    for out_f, in_f in ((300, 200), (512, 4096), (4096, 2048)):
+        w = _gpu_weight(out_f, in_f)
+        for n in (1, 3, 16):
+            _check_gpu(w, n, torch.bfloat16, config=config)
+    _check_gpu(w, 3, torch.float16, config=config)
+    _check_gpu(w, 3, torch.float32, config=config, tol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_strided_x_and_fp16() -> None:
@@ -207,19 +359,24 @@ def test_gpu_strided_x_and_fp16() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graph_replay() -> None:
-    """Decode calls (split-K and not) capture in a CUDA graph; replays follow new x written into the input."""
+    """Decode calls capture in a CUDA graph: the default picks, a GEMV with split-K and a pipelined K loop, and
+    the dot path with split-K; replays follow new x written into the inputs."""
     from moebox.ops.triton.fp8_linear import fp8_linear_triton
-    ws = [block_weight(o, i, seed=o).to("cuda") for o, i in ((512, 4096), (4096, 2048), (32768, 1024))]
+    calls = [((512, 4096), None), ((4096, 2048), None), ((32768, 1024), None),
+             ((4096, 8192), Fp8Config(4, 8, 4, 4, 3, kernel="gemv", block_k=512)),
+             ((1024, 4096), Fp8Config(16, 16, 4, 4, 4))]
+    ws = [block_weight(o, i, seed=o).to("cuda") for (o, i), _ in calls]
     n = 4
     xs = [torch.randn(n, w.data.shape[1], device="cuda", dtype=torch.bfloat16) for w in ws]
     outs = [torch.empty(n, w.data.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
-    for x, w, o in zip(xs, ws, outs):
-        fp8_linear_triton(x, w, out=o)  # compile outside the capture
+    cfgs = [c for _, c in calls]
+    for x, w, o, c in zip(xs, ws, outs, cfgs):
+        fp8_linear_triton(x, w, out=o, config=c)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for x, w, o in zip(xs, ws, outs):
-            fp8_linear_triton(x, w, out=o)
+        for x, w, o, c in zip(xs, ws, outs, cfgs):
+            fp8_linear_triton(x, w, out=o, config=c)
     for _ in range(2):
         for x, o in zip(xs, outs):
             x.copy_(torch.randn_like(x))

@@ -1,9 +1,13 @@
 """Manifold-constrained hyper-connections (mHC): mixing the 4 residual streams around each sub-block.
 
 All mixing math runs in fp32 (as the reference does); see deepseek_v4.md §2.2 for the formulas.
+`hc_pre` / `hc_post` / `hc_head` dispatch: CUDA tensors go to the fused Triton kernels (moebox/ops/triton/mhc.py)
+when triton imports, everything else to the torch references below (`*_reference`).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +15,42 @@ import torch.nn.functional as F
 from moebox.ops.norm import rms_norm
 
 
+def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | None:
+    """The fused-kernel module for these CUDA tensors, or None (CPU, no triton, or a case it does not take)."""
+    if not X.is_cuda:
+        return None
+    from moebox.ops.triton.runtime import HAVE_TRITON
+    if not HAVE_TRITON:
+        return None
+    from moebox.ops.triton import mhc
+    return mhc if mhc.fused_supported(X, out) else None
+
+
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
            norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+    if (f := _fused(X)) is not None:
+        return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
+    return hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
+
+
+def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X_new[k] = post[k] * out + sum_j comb[j, k] X[j]  (comb is applied transposed)."""
+    if (f := _fused(X, out)) is not None:
+        return f.hc_post_triton(out, X, post, comb)
+    return hc_post_reference(out, X, post, comb)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j]."""
+    if (f := _fused(X)) is not None:
+        return f.hc_head_triton(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
+    return hc_head_reference(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
+
+
+def hc_pre_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
+                     eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
     n, hc, _ = X.shape
     flat = rms_norm(X.flatten(1).float(), None, norm_eps)
@@ -31,14 +69,14 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return x, post, comb
 
 
-def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post_reference(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X_new[k] = post[k] * out + sum_j comb[j, k] X[j]  (comb is applied transposed)."""
     dt = X.dtype
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), X)
 
 
-def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
-            norm_eps: float) -> torch.Tensor:
+def hc_head_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
+                      norm_eps: float) -> torch.Tensor:
     """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j]."""
     flat = rms_norm(X.flatten(1).float(), None, norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + eps

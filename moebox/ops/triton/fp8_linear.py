@@ -1,4 +1,5 @@
-"""FP8 e4m3 x 128x128-block-scaled dense linear on the GPU: y = x W^T, one Triton kernel for decode and prefill.
+"""FP8 e4m3 x 128x128-block-scaled dense linear on the GPU: y = x W^T, a CUDA-core GEMV for decode and a
+tensor-core kernel (tl.dot) for prefill.
 
     y[n, o] = sum_kb  2^(s[o // 128, kb] - 127) * sum_{k in block kb} W8[o, k] * x[n, k]
 
@@ -8,71 +9,102 @@ widened in memory: each program loads FP8 tiles and converts them in registers. 
 torch reference (dequantize to fp32, F.linear in fp32, cast back to x's dtype) with the same signature;
 `fp8_linear` dispatches (Triton for CUDA tensors when triton imports, the reference elsewhere).
 
-One kernel, `_fp8_linear_kernel`, whose tiling adapts (`pick_config`), rather than a separate GEMV:
-  - Orientation: the program computes acc[BLOCK_O, BLOCK_N] = W8_tile [BLOCK_O, 128] @ x_tile^T [128, BLOCK_N]
-    with tl.dot, so the operand converted in registers (FP8 -> bf16, exact: e4m3 fits bf16) is the A operand,
-    which Hopper's wgmma may take from registers, and x (already bf16) is the B operand, which it takes from
-    shared memory. The scale of the 128x128 block is one E8M0 byte per output row and K step, applied ONCE
-    per 128 columns to the fp32 partial: acc += dot(W8, x^T) * 2^(s-127) (the byte is placed straight in the
-    fp32 exponent field; scale bytes 1..254 are exact, 0 flushes to 0, 255 gives inf).
-    BLOCK_K is 128 = the scale block, so each K step reads a [BLOCK_O, 128] FP8 tile: 128 contiguous bytes per
-    row, full cache lines, 16-byte vector loads, with num_stages of them in flight (Triton pipelines the loads
+Two kernels; `pick_config` chooses by N, out and in (`Fp8Config.kernel`), and a config can force either:
+
+GEMV, `_fp8_gemv_kernel` (decode, N <= GEMV_MAX_N by default). A decode call is a stream of the weight's bytes
+with N multiply-adds per weight, so what bounds it is DRAM and, as N grows, instruction issue; the tl.dot path
+reached only 7-29% of the copy bandwidth there on the H200 (CUDA-graph replay, N = 1). No tensor cores:
+  - A program owns BLOCK_N tokens x BLOCK_O output rows and walks its K range in steps of BLOCK_K columns (a
+    multiple of 128). A thread holds 16-byte chunks (16 consecutive weights of a row, one 16-byte load) of R
+    rows at one K offset: the lanes, then the warps, spread along K first, so a large BLOCK_K is a split-K
+    inside one program (the small shapes need no second kernel), and the x values a thread loads serve its R
+    rows. Per chunk and token: 16 fp32 FMAs in registers, then one multiply by the chunk's 128-column block
+    scale (the E8M0 byte placed in the fp32 exponent, as in the dot path) into a per-(token, row, chunk) fp32
+    accumulator; one reduction across lanes and warps at the end. Split-K over the grid (`split_k`, fp32
+    partials summed by `_split_sum_kernel`) only when out is too short to give each SM a program.
+  - Loads: the tiles are 2-D [rows x chunks, 16] with the chunk index fastest, reshaped for the math. With one
+    contiguous dimension Triton gives each thread whole 16-byte chunks and puts the lanes along K (3-D tiles
+    left that to its tie-break between dims of equal contiguity, which put the lanes along the rows in some
+    versions). The K loop is `tl.range(..., num_stages=NUM_STAGES)`: NUM_STAGES > 1 streams the w and x tiles
+    through a shared-memory ring with cp.async (LDGSTS.128 in the sm_90 SASS); the launch's num_stages
+    option alone pipelines only loads that feed a tl.dot. Scale bytes are plain loads (1 per 16 weights).
+    A register prefetch of the next tile was tried and dropped: Triton carries FP8 loop values one byte per
+    register, ~2 PRMT per weight. N, out and the split/scale/output strides are not specialized on, so one
+    compile of a tiling serves every shape whose in and row strides are multiples of 16, at any N. Other
+    strides get narrower loads and a layout that sums each chunk across lanes: correct, slower (odd shapes).
+  - Conversion: `.to(tl.float32)` of an e4m3 tile is F2FP.F16.E4M3 (two weights per instruction) + HADD2.F32,
+    both exact and no F2F (the slow single conversion the bf16 dot path needs). The e4m3 -> fp16 bit trick
+    (sign and magnitude shifted into place, value * 2^-8 exactly, the 2^8 folded into the block scale) would
+    trade the half F2FP per weight for ~2 integer ops, so it is not used. x is converted to fp32 in registers
+    (bf16, fp16 and fp32 x alike; `split_dtype` and `bf16_as_fp16` do not apply); all math is fp32.
+  - Issue budget (sm_90 SASS built on CPU with Triton 3.6, the version on the H200): the N = 1 loop is ~4.1
+    instructions per weight (1/2 F2FP, 1 HADD2, 1 FFMA, the rest addresses, cp.async and scales), against
+    ~7.8 per weight that 132 SMs x 4 schedulers x 1.98 GHz can issue at 4.25e12 weights/s; each further token
+    adds ~1.1-1.5 (1 FFMA, 1/R x conversion, the scale multiply per chunk): ~8.5 per weight at N = 4, ~14 at
+    N = 8. So N = 1..3 can stream at the DRAM rate, N = 4 is at the issue limit and larger N is issue-bound;
+    beyond GEMV_MAX_N the dot path takes over by default.
+  - Masks: rows past out and tokens past N are clamped to the last row (loaded, never stored); full K steps
+    load with no mask, the partial last step (in % BLOCK_K != 0) is masked along K; stores are masked, so
+    every element of `out` is written exactly once.
+
+Dot, `_fp8_linear_kernel` (prefill, N > 16; decode N in (GEMV_MAX_N, 16] by default):
+  - The program computes acc[BLOCK_O, BLOCK_N] = W8_tile [BLOCK_O, 128] @ x_tile^T [128, BLOCK_N] with tl.dot,
+    so the operand converted in registers (FP8 -> bf16, exact: e4m3 fits bf16) is the A operand, which
+    Hopper's wgmma may take from registers, and x (already bf16) the B operand, from shared memory. The
+    scale of the 128x128 block is one E8M0 byte per output row and K step, applied ONCE per 128 columns to
+    the fp32 partial: acc += dot(W8, x^T) * 2^(s-127) (the byte placed straight in the fp32 exponent field;
+    scale bytes 1..254 are exact, 0 flushes to 0, 255 gives inf). The K step is 128 = the scale block: 128
+    contiguous bytes per row, 16-byte vector loads, num_stages of them in flight (Triton pipelines the loads
     of a dot operand through shared memory with async copies).
-  - Decode (N <= 16): BLOCK_N = 16 (the smallest dot tile; rows past N re-read row N-1 of x, from L1/L2),
-    BLOCK_O = 16 or 32 output rows per program, and split-K when the output is too short to give every SM a
-    few programs (wkv 512 rows would be 32 programs of 16 rows on 132 SMs): grid (1, out/BLOCK_O, SPLIT) with
-    each split covering a contiguous range of K blocks, fp32 partials in a [SPLIT, N, out] scratch, then
-    `_split_sum_kernel` adds them in a fixed order (deterministic, no atomics, no zeroing) and writes `out` in
-    x's dtype. Why tl.dot for N = 1 as well: the tensor cores make N = 1..16 cost the same as N = 1, the
-    per-block scale stays one multiply per 128 columns of the fp32 partial, and one code path serves both
-    regimes; a decode call is bounded by the weight bytes, and the dot's extra work (16 padded rows) is far
-    below the SMs' issue rate. A CUDA-core GEMV (no shared-memory round trip) for N = 1 is the alternative if
-    the bench shows the dot path short of the copy bandwidth.
+  - Decode tiles (N <= 16): BLOCK_N = 16 (the smallest dot tile; rows past N re-read row N-1 of x), BLOCK_O =
+    16 or 32, split-K when the output is too short to give every SM a few programs (grid (1, out/BLOCK_O,
+    SPLIT), fp32 partials in a [SPLIT, N, out] scratch, then `_split_sum_kernel` adds them in a fixed order:
+    deterministic, no atomics, no zeroing).
   - Prefill (N > 16): BLOCK_N = 64 or 128, BLOCK_O = 128, 8 warps, grid (N-blocks, out-blocks) with the N block
     on axis 0 (fastest varying), so the programs running together share one weight tile and it is read from
     DRAM about once; split-K again only when the grid would not fill the SMs.
   - x fp32: two bf16 terms per x tile (hi = bf16(x), lo = bf16(x - hi)), two dots into the same fp32
     accumulator; W8 is exact in bf16, so the products keep ~16 mantissa bits of x (rel. error ~1e-5), at twice
     the MMA work. x bf16 / fp16: one dot in x's dtype (e4m3 is exact in fp16 too).
-  - Masks: out and in need not be multiples of 128 (or of the tiles). Tile rows past out / N are clamped to
-    the last row (loaded, never stored), so the full K blocks load with no mask: 16-byte vector loads that
-    Triton's pipeliner turns into async copies whenever the row strides are multiples of 16 (a mask along K
-    makes the vector width hang on what the compiler can prove about `in`; an sm_90 build with no
-    divisibility hints pipelined nothing). The partial last K block, if any, is a separate masked step.
-    Stores are masked with (n < N) & (o < out); every element of `out` is written exactly once.
-  - The FP8 -> bf16 conversion (SASS of the sm_90 build, compiled on CPU with triton 3.9): per weight 1/2
-    F2FP.F16.E4M3 (two at a time), 1 F2F.BF16.F16 (one at a time, on the narrow conversion pipe, ~16/clk/SM
-    by the CUDA guide's table for type conversions: ~4.2e12 weights/s on 132 SMs, about the DRAM rate) and
-    1/2 PRMT; loads are LDGSTS.128 (async, pipelined), the MMA is HMMA.16816 (decode tiles) or HGMMA
-    (prefill, 128x128). So decode may be co-limited by that F2F. `Fp8Config(bf16_as_fp16=True)` dots in fp16
-    instead (e4m3 -> f16 is 1/2 F2FP per weight, nothing else; x converted per tile, |x| > 65504 becomes inf,
-    so only for normed activations): the sweep times both. A bit-trick conversion (e4m3 bits shifted into
-    bf16 = value * 2^-120, exact for subnormals too, fixed by one packed bf16 multiply) is the next step if
-    the F2F shows up.
+  - Masks as in the GEMV with BLOCK_K = 128: clamped rows, unmasked full K blocks (16-byte vector loads that
+    the pipeliner turns into async copies when the row strides are multiples of 16), one masked partial block.
+  - The FP8 -> bf16 conversion (sm_90 SASS, Triton 3.9): per weight 1/2 F2FP.F16.E4M3, 1 F2F.BF16.F16 (one at
+    a time, on the narrow conversion pipe, ~16/clk/SM) and 1/2 PRMT; loads are LDGSTS.128, the MMA is
+    HMMA.16816 (decode tiles) or HGMMA (prefill, 128x128). `Fp8Config(bf16_as_fp16=True)` dots in fp16 instead
+    (e4m3 -> f16 is 1/2 F2FP per weight; x converted per tile, |x| > 65504 becomes inf, so only for normed
+    activations).
   - Triton's CPU interpreter computes bf16 dots wrongly (seen with triton 3.9), so under TRITON_INTERPRET=1 the
     fp32-x path uses fp16 terms (`Fp8Config.split_dtype`); fp16 x runs the GPU's single-dot path unchanged.
 
+Picking (`pick_config`): a decode call takes its weight shape's entry in TUNED_DECODE (filled from the sweep's
+output on the H200: it prints the lines to paste) if there is one, else the GEMV heuristic (`_gemv_config`:
+rows per program so that out / BLOCK_O gives ~3 programs per SM, BLOCK_K so that a step is 64 bytes per
+thread, 3 stages when there are several steps) for N <= GEMV_MAX_N and the dot decode tiles above that.
+
 Bytes and the bandwidth to approach. A decode call reads out*in bytes of FP8 plus out*in/16384 bytes of
 scales (0.006%), plus x and y (N*(in+out)*2 bytes, negligible), so it should approach the device copy
-bandwidth (~4.3 TB/s on the H200, read+written bytes of a device copy, KINDS.md). The V4-Flash dense shapes
-(out x in), their FP8 bytes and the time at 4.3 TB/s:
-    wq_a          1024 x 4096    4.19 MB    0.98 us
-    wq_b         32768 x 1024   33.55 MB    7.80 us
+bandwidth (~4.25 TB/s on the H200, read+written bytes of a device copy, KINDS.md). The V4-Flash dense shapes
+(out x in), their FP8 bytes and the time at 4.25 TB/s:
+    wq_a          1024 x 4096    4.19 MB    0.99 us
+    wq_b         32768 x 1024   33.55 MB    7.89 us
     wkv            512 x 4096    2.10 MB    0.49 us
-    wo_b          4096 x 8192   33.55 MB    7.80 us
-    shared w1/w3  2048 x 4096    8.39 MB    1.95 us each
-    shared w2     4096 x 2048    8.39 MB    1.95 us
-    e_proj/h_proj 4096 x 4096   16.78 MB    3.90 us   (MTP)
+    wo_b          4096 x 8192   33.55 MB    7.89 us
+    shared w1/w3  2048 x 4096    8.39 MB    1.97 us each
+    shared w2     4096 x 2048    8.39 MB    1.97 us
+    e_proj/h_proj 4096 x 4096   16.78 MB    3.95 us   (MTP)
 The big ones (wq_b, wo_b, e/h_proj) can get near the bandwidth; wkv and wq_a are ~0.5-1 us of bytes, below a
-kernel's ramp-up and tail (a few us standalone, ~1-2 us inside a CUDA graph), so they are latency-bound: the
-fix there is fewer launches (one call over wq_a and wkv concatenated, since they read the same x), not a
-faster kernel. Prefill (N = 2048) is compute-bound: 2*N*out*in FLOP against the bf16 tensor-core rate
-(~790 TFLOP/s measured on random data here, KINDS.md).
+kernel's ramp-up and tail (a few us standalone, ~1-2 us inside a CUDA graph), so they are latency-bound: one
+kernel whose programs all fit on the GPU at once and load their whole K range in one or two steps is the most
+a kernel can do; fewer launches (wq_a and wkv concatenated, since they read the same x) is the next fix.
+Prefill (N = 2048) is compute-bound: 2*N*out*in FLOP against the bf16 tensor-core rate (~790 TFLOP/s measured
+on random data here).
 
-`bench` (and `python -m moebox.ops.triton.fp8_linear [--sweep]`) times these shapes at N = 1, 4, 16 (GB/s of
-weight bytes vs the measured copy bandwidth, cold L2) and N = 2048 (TFLOP/s), next to cuBLAS bf16 F.linear on
-the dense bf16 weight, and replays the decode calls in a CUDA graph that cycles over enough weight copies to
-miss L2 (as consecutive layers do).
+`bench` (`python -m moebox.ops.triton.fp8_linear`) times the default picks on these shapes at N = 1, 4, 16
+(GB/s of weight bytes vs the measured copy bandwidth, cold L2, and replayed from a CUDA graph that cycles over
+enough weight copies to miss L2, as consecutive layers do) and N = 2048 (TFLOP/s), next to cuBLAS bf16
+F.linear on the dense bf16 weight. `sweep` (`--sweep`) times GEMV variants against the dot path at N = 1, 4,
+16 in that graph replay and prints one table, the best variant per (shape, N) and TUNED_DECODE lines;
+`--sweep-prefill` times prefill tilings.
 
 CUDA graphs: a call allocates only `out` (when None) and the split-K scratch with torch.empty (graph-safe with
 the caching allocator) and launches 1 kernel (2 with split-K); no host sync, no data-dependent shapes.
@@ -81,17 +113,18 @@ the caching allocator) and launches 1 kernel (2 with split-K); no host sync, no 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from moebox.weights.formats import QuantTensor
 
-from moebox.ops.triton.runtime import HAVE_TRITON, tl, triton  # noqa: F401 - Triton is optional
+from moebox.ops.triton.runtime import HAVE_TRITON, interpreting, num_sms, tl, triton  # noqa: F401 - Triton is optional
 
-BLOCK = 128  # the FP8 scale block, both dimensions; also the kernel's K step
+BLOCK = 128  # the FP8 scale block, both dimensions; also the dot kernel's K step
 
 # (name, out, in): the V4-Flash dense weights a decode step reads through this kernel
 V4_FLASH_SHAPES: tuple[tuple[str, int, int], ...] = (
@@ -101,8 +134,11 @@ V4_FLASH_SHAPES: tuple[tuple[str, int, int], ...] = (
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """Tiles: BLOCK_N tokens x BLOCK_O output rows per program (K step fixed at 128); split_k programs share
-    the K range of one tile (0 = pick from the grid size); split_dtype: the dot dtype of fp32 x's two terms."""
+    """Tiling. kernel "dot": BLOCK_N tokens x BLOCK_O output rows per program with tl.dot, K step 128,
+    num_stages the pipeliner's depth. kernel "gemv": BLOCK_N tokens x BLOCK_O rows per program on the CUDA
+    cores, K step block_k (a multiple of 128), num_stages its cp.async ring depth (1 = plain loads).
+    split_k: programs sharing the K range of a tile (0 = pick from the grid size). Dot path only:
+    split_dtype, the dot dtype of fp32 x's two terms; bf16_as_fp16, convert bf16 x to fp16 and dot in fp16."""
 
     block_n: int = 16
     block_o: int = 32
@@ -110,52 +146,96 @@ class Fp8Config:
     num_warps: int = 4
     num_stages: int = 4
     split_dtype: str = "bf16"
-    bf16_as_fp16: bool = False   # bf16 x: convert x to fp16 in the kernel and dot in fp16 (experimental, see doc)
+    bf16_as_fp16: bool = False
+    kernel: str = "dot"
+    block_k: int = BLOCK
+
+    @property
+    def label(self) -> str:
+        """Short name for tables: kernel, tokens x rows (x K step) per program, warps, stages, split."""
+        k = f"x{self.block_k}" if self.kernel == "gemv" else ""
+        fp16 = " fp16" if self.bf16_as_fp16 else ""
+        return (f"{self.kernel} {self.block_n}x{self.block_o}{k} w{self.num_warps} s{self.num_stages} "
+                f"split{self.split_k or 'A'}{fp16}")
 
 
-_SMS: dict[int, int] = {}
+# Decode calls (shapes without a TUNED_DECODE entry) with N <= GEMV_MAX_N take the GEMV, larger decode N the dot
+# path: a guess until the sweep runs.
+GEMV_MAX_N = 8
+
+# The sweep's best decode configs on the H200, {(out, in): ((max N, config), ...)} with max N ascending: a
+# decode call takes the first entry whose max N >= its N (split_k 0 = automatic). `--sweep` prints these lines.
+TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {}
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # an H200's count; only the interpreter gets here
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def _pow2_ceil(v: int) -> int:
+    return 1 << (max(1, v) - 1).bit_length()
 
 
 def pick_config(n: int, out_features: int, in_features: int, x_dtype: torch.dtype = torch.bfloat16,
                 sms: int = 132) -> Fp8Config:
-    """The default tiling for a call (split_k resolved): decode tiles for N <= 16, GEMM tiles above."""
+    """The default tiling for a call (split_k resolved): for decode (N <= 16) the TUNED_DECODE entry of the
+    weight shape, else the GEMV for N <= GEMV_MAX_N and the dot decode tiles above; GEMM tiles for N > 16."""
     if n <= 16:
-        cfg = Fp8Config(block_n=16, block_o=32 if out_features >= 2048 else 16, num_warps=4, num_stages=4)
+        tuned = next((c for max_n, c in TUNED_DECODE.get((out_features, in_features), ()) if n <= max_n), None)
+        if tuned is not None:
+            cfg = tuned
+        elif n <= GEMV_MAX_N:
+            cfg = _gemv_config(n, out_features, in_features, sms)
+        else:
+            cfg = Fp8Config(block_n=16, block_o=32 if out_features >= 2048 else 16, num_warps=4, num_stages=4)
     else:
         block_n = 64 if (n <= 64 or x_dtype == torch.float32) else 128
         cfg = Fp8Config(block_n=block_n, block_o=128, num_warps=8 if block_n == 128 else 4, num_stages=3)
     return resolve_split(cfg, n, out_features, in_features, sms)
 
 
+def _gemv_config(n: int, out_features: int, in_features: int, sms: int) -> Fp8Config:
+    """The GEMV heuristic: up to 4 tokens per program (x and the accumulators take registers per token),
+    rows per program (1..16) leaving ~3 programs per SM per token block, a K step of 64 bytes per thread
+    (4 warps: BLOCK_O x BLOCK_K = 8 KB, at most the padded row), 3 stages when there are several steps."""
+    block_o = min(16, _pow2_floor(out_features // (3 * sms)))
+    block_k = max(BLOCK, min(8192 // block_o, _pow2_ceil(in_features)))
+    stages = 3 if in_features > block_k else 1
+    return Fp8Config(block_n=min(4, _pow2_ceil(n)), block_o=block_o, num_warps=4, num_stages=stages,
+                     kernel="gemv", block_k=block_k)
+
+
 def resolve_split(cfg: Fp8Config, n: int, out_features: int, in_features: int, sms: int = 132) -> Fp8Config:
-    """cfg with split_k 0 replaced by the automatic split for its tiles: enough programs for a few per SM
-    (decode, N <= 16: 4 per SM, each at least 4 K steps long) or one wave (prefill: at least 8 K steps each)."""
+    """cfg with split_k 0 replaced by the automatic split for its tiles. Dot: enough programs for a few per SM
+    (decode, N <= 16: 4 per SM, each at least 4 K steps long) or one wave (prefill: at least 8 K steps each).
+    GEMV: none unless the grid has fewer programs than SMs, then up to 2 per SM."""
     if cfg.split_k:
         return cfg
+    tiles = -(-n // cfg.block_n) * -(-out_features // cfg.block_o)
+    if cfg.kernel == "gemv":
+        steps = -(-in_features // cfg.block_k)
+        split = 1 if tiles >= sms else min(steps, -(-2 * sms // tiles))
+        return replace(cfg, split_k=_even_split(steps, split))
     kb = -(-in_features // BLOCK)
     target, min_steps = (4 * sms, 4) if n <= 16 else (sms, 8)
-    tiles = -(-n // cfg.block_n) * -(-out_features // cfg.block_o)
     split = max(1, min(-(-target // tiles), kb // min_steps))
     return replace(cfg, split_k=_even_split(kb, split))
 
 
-def _even_split(kb: int, split: int) -> int:
-    """The split count that gives every split the same number of K blocks (the last may be shorter)."""
-    split = max(1, min(split, kb))
-    return -(-kb // -(-kb // split))
+def _even_split(steps: int, split: int) -> int:
+    """The split count that gives every split the same number of K steps (the last may be shorter)."""
+    split = max(1, min(split, steps))
+    return -(-steps // -(-steps // split))
+
+
+def _check_config(cfg: Fp8Config) -> None:
+    if cfg.kernel not in ("dot", "gemv"):
+        raise ValueError(f"Fp8Config.kernel must be 'dot' or 'gemv', got {cfg.kernel!r}")
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_o, cfg.block_k))
+    if not pow2 or cfg.block_k < BLOCK:
+        raise ValueError(f"block sizes must be powers of 2 and block_k >= {BLOCK}: {cfg}")
+    if cfg.kernel == "dot" and cfg.block_k != BLOCK:
+        raise ValueError(f"the dot kernel's K step is {BLOCK}: {cfg}")
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -213,6 +293,61 @@ if HAVE_TRITON:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_o < OUT)[:, None] & (offs_n < N)[None, :])
 
     @triton.jit
+    def _gemv_step(x, w, sb, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, KC: tl.constexpr):
+        """One K step on the CUDA cores. x [BN*KC, 16] and w [BO*KC, 16] (FP8) are rows of 16-column chunks,
+        chunk c of token/row i at i*KC + c; sb [BO*KC] the scale byte of each w chunk. Returns the fp32
+        [BN, BO, KC] partial sums of the chunks (16 products each, summed in a thread), times their scales."""
+        w4 = tl.reshape(w, (1, BLOCK_O, KC, 16)).to(tl.float32)   # e4m3 -> f16 (2 per cvt) -> f32, exact
+        x4 = tl.reshape(x, (BLOCK_N, 1, KC, 16)).to(tl.float32)
+        part = tl.sum(w4 * x4, axis=3)
+        scale = (tl.reshape(sb, (1, BLOCK_O, KC)).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        return part * scale
+
+    # N, OUT and the split/scale/output strides are not specialized on (== 1, % 16), so one compile serves all
+    # shapes and N alike; IN and the x / w row strides are (% 16: the 16-byte vector loads and the tail mask).
+    @triton.jit(do_not_specialize=["N", "OUT", "STEPS_PER_SPLIT", "stride_so", "stride_yn", "stride_ys"])
+    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, OUT, IN, STEPS_PER_SPLIT,
+                         stride_xn, stride_wo, stride_so, stride_yn, stride_ys,
+                         BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+        KC: tl.constexpr = BLOCK_K // 16   # 16-byte chunks per row and K step
+        pid_n = tl.program_id(0)
+        pid_o = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        vec = tl.arange(0, 16)
+        # [rows x chunks, 16] tiles, chunk fastest (see the module doc); rows past OUT / N are clamped
+        r = tl.arange(0, BLOCK_O * KC)
+        w_rows = tl.minimum(pid_o * BLOCK_O + r // KC, OUT - 1)
+        w_cols = (r % KC) * 16
+        w_ptrs = w_ptr + (w_rows.to(tl.int64) * stride_wo + w_cols)[:, None] + vec[None, :]
+        s_ptrs = s_ptr + (w_rows // 128) * stride_so + w_cols // 128   # + k0 // 128 (k0 is a multiple of 128)
+        xr = tl.arange(0, BLOCK_N * KC)
+        x_rows = tl.minimum(pid_n * BLOCK_N + xr // KC, N - 1)
+        x_cols = (xr % KC) * 16
+        x_ptrs = x_ptr + (x_rows.to(tl.int64) * stride_xn + x_cols)[:, None] + vec[None, :]
+        step0 = pid_k * STEPS_PER_SPLIT
+        step1 = tl.minimum(step0 + STEPS_PER_SPLIT, tl.cdiv(IN, BLOCK_K))
+        full = tl.minimum(step1, IN // BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_O, KC), dtype=tl.float32)
+        for step in tl.range(step0, full, num_stages=NUM_STAGES):  # full steps: no masks
+            k0 = step * BLOCK_K
+            x = tl.load(x_ptrs + k0)
+            w = tl.load(w_ptrs + k0)
+            sb = tl.load(s_ptrs + k0 // 128)
+            acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC)
+        if full < step1:  # the partial last step is in this split
+            k0 = full * BLOCK_K
+            x = tl.load(x_ptrs + k0, mask=(k0 + x_cols)[:, None] + vec[None, :] < IN, other=0.0)
+            w = tl.load(w_ptrs + k0, mask=(k0 + w_cols)[:, None] + vec[None, :] < IN, other=0.0)
+            sb = tl.load(s_ptrs + k0 // 128, mask=k0 + w_cols < IN, other=0)
+            acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC)
+        y = tl.sum(acc, axis=2)   # [BN, BO]: across the lanes and warps, once
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+        y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_n.to(tl.int64)[:, None] * stride_yn + offs_o[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_o < OUT)[None, :])
+
+    @triton.jit
     def _split_sum_kernel(ws_ptr, y_ptr, OUT, stride_ws, stride_yn, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         """y[n, :] = sum over the SPLIT fp32 partials ws[s, n, :], in order, cast to y's dtype."""
         n = tl.program_id(0)
@@ -259,8 +394,8 @@ def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None 
                       config: Fp8Config | None = None) -> torch.Tensor:
     """The Triton path. x [N, in] bf16/fp16/fp32 (any row stride), w QuantTensor fp8 (data [out, in] e4m3 with
     contiguous rows, scale E8M0 [ceil(out/128), ceil(in/128)]); returns (or fills, every element) `out`
-    [N, out] in x's dtype. `config` overrides the tiling (split_k 0 = automatic). Runs on CUDA, or on CPU
-    tensors under TRITON_INTERPRET=1."""
+    [N, out] in x's dtype. `config` overrides the kernel and tiling (split_k 0 = automatic). Runs on CUDA, or
+    on CPU tensors under TRITON_INTERPRET=1."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, out_f, in_f = _check(x, w)
@@ -277,29 +412,37 @@ def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None 
         scale = scale.contiguous()
     if x.stride(1) != 1:
         x = x.contiguous()
-    sms = _num_sms(x.device)
+    sms = num_sms(x.device)
     cfg = pick_config(n, out_f, in_f, x.dtype, sms) if config is None else resolve_split(config, n, out_f, in_f, sms)
-    kb = -(-in_f // BLOCK)
-    split = _even_split(kb, cfg.split_k)
-    kb_per_split = -(-kb // split)
-    if x.dtype == torch.float32:
-        terms = 2
-        split_dtype = "fp16" if _interpreting() else cfg.split_dtype  # the interpreter's bf16 dot is wrong
-        dot_dtype = _SPLIT_DTYPES[split_dtype]
-    else:
-        terms = 1
-        dot_dtype = tl.float16 if (cfg.bf16_as_fp16 and x.dtype == torch.bfloat16) else _DOT_DTYPES[x.dtype]
+    _check_config(cfg)
+    steps = -(-in_f // cfg.block_k)   # K steps (the dot kernel's are the 128-column blocks)
+    split = _even_split(steps, cfg.split_k)
+    per_split = -(-steps // split)
     if split == 1:
         y, stride_yn, stride_ys = out, out.stride(0), 0
     else:
         y = torch.empty((split, n, out_f), dtype=torch.float32, device=x.device)
         stride_yn, stride_ys = out_f, n * out_f
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(out_f, cfg.block_o), split)
-    _fp8_linear_kernel[grid](
-        x, data, scale, y, n, out_f, in_f, kb_per_split,
-        x.stride(0), data.stride(0), scale.stride(0), stride_yn, stride_ys,
-        BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=BLOCK, X_TERMS=terms, DOT_DTYPE=dot_dtype,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.kernel == "gemv":
+        _fp8_gemv_kernel[grid](
+            x, data, scale, y, n, out_f, in_f, per_split,
+            x.stride(0), data.stride(0), scale.stride(0), stride_yn, stride_ys,
+            BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=1)
+    else:
+        if x.dtype == torch.float32:
+            terms = 2
+            split_dtype = "fp16" if interpreting() else cfg.split_dtype  # the interpreter's bf16 dot is wrong
+            dot_dtype = _SPLIT_DTYPES[split_dtype]
+        else:
+            terms = 1
+            dot_dtype = tl.float16 if (cfg.bf16_as_fp16 and x.dtype == torch.bfloat16) else _DOT_DTYPES[x.dtype]
+        _fp8_linear_kernel[grid](
+            x, data, scale, y, n, out_f, in_f, per_split,
+            x.stride(0), data.stride(0), scale.stride(0), stride_yn, stride_ys,
+            BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=BLOCK, X_TERMS=terms, DOT_DTYPE=dot_dtype,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         sum_block = min(1024, triton.next_power_of_2(out_f))
         _split_sum_kernel[(n, triton.cdiv(out_f, sum_block))](
@@ -344,7 +487,7 @@ def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30) -
     return 2 * nbytes / ms / 1e6
 
 
-def _graph_ms(fn_per_copy, copies: int) -> float:
+def _graph_ms(fn_per_copy: Callable[[int], object], copies: int, rep_ms: int = 200) -> float:
     """Per-call time of `copies` calls captured in one CUDA graph (each on its own weight copy), replayed."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -356,24 +499,30 @@ def _graph_ms(fn_per_copy, copies: int) -> float:
     with torch.cuda.graph(graph):
         for i in range(copies):
             fn_per_copy(i)
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=200)
+    ms = triton.testing.do_bench(graph.replay, warmup=min(10, max(1, rep_ms // 4)), rep=rep_ms)
     return ms / copies
+
+
+def _weight_copies(w: QuantTensor, l2_miss_bytes: int) -> list[QuantTensor]:
+    """w and clones of it: >= l2_miss_bytes in all (at most 128 copies), so calls cycling over them miss L2."""
+    copies = max(1, min(128, -(-l2_miss_bytes // w.nbytes)))
+    return [w] + [QuantTensor("fp8", w.data.clone(), w.scale.clone(), w.block) for _ in range(copies - 1)]
 
 
 def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, int]] = V4_FLASH_SHAPES,
           tokens: Sequence[int] = (1, 4, 16), prefill: Sequence[int] = (2048,), dtype: torch.dtype = torch.bfloat16,
           config: Fp8Config | None = None, graph: bool = True, cublas: bool = True,
           l2_miss_bytes: int = 256 << 20, copy_gbs: float | None = None) -> list[dict]:
-    """Time fp8_linear on the V4-Flash dense shapes with triton.testing.do_bench (L2 flushed before each rep):
-    decode N in `tokens` as GB/s of FP8 weight bytes (and the fraction of the measured copy bandwidth), prefill
-    N in `prefill` as TFLOP/s; cuBLAS bf16 F.linear on the same shapes for comparison; with `graph`, the decode
-    calls replayed from a CUDA graph over enough weight copies (>= l2_miss_bytes) that each call misses L2.
-    Prints and returns one row per (shape, N)."""
+    """Time fp8_linear (the default picks, or `config`) on the V4-Flash dense shapes with triton.testing.do_bench
+    (L2 flushed before each rep): decode N in `tokens` as GB/s of FP8 weight bytes (and the fraction of the
+    measured copy bandwidth), prefill N in `prefill` as TFLOP/s; cuBLAS bf16 F.linear on the same shapes for
+    comparison; with `graph`, the decode calls replayed from a CUDA graph over enough weight copies
+    (>= l2_miss_bytes) that each call misses L2. Prints and returns one row per (shape, N)."""
     device = torch.device(device)
     if copy_gbs is None:
         copy_gbs = copy_bandwidth(device)
     print(f"device copy bandwidth {copy_gbs:.0f} GB/s (read + written); x {dtype}; "
-          f"config {'auto' if config is None else config}", flush=True)
+          f"config {'default picks' if config is None else config.label}", flush=True)
     rows = []
     for name, out_f, in_f in shapes:
         w = random_fp8_weight(out_f, in_f, device=device, seed=out_f + in_f)
@@ -382,7 +531,7 @@ def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, 
         for n in tuple(tokens) + tuple(prefill):
             x = torch.randn((n, in_f), device=device, dtype=dtype)
             out = torch.empty((n, out_f), device=device, dtype=dtype)
-            sms = _num_sms(device)
+            sms = num_sms(device)
             cfg = pick_config(n, out_f, in_f, dtype, sms) if config is None else resolve_split(config, n, out_f,
                                                                                                in_f, sms)
             fp8_linear_triton(x, w, out=out, config=cfg)
@@ -395,10 +544,9 @@ def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, 
                            cublas_TFLOP_s=2 * n * out_f * in_f / ms_ref / 1e9)
             decode = n <= 16
             if graph and decode:
-                copies = max(1, min(128, -(-l2_miss_bytes // wbytes)))
-                ws = [w] + [QuantTensor("fp8", w.data.clone(), w.scale.clone(), w.block) for _ in range(copies - 1)]
-                ms_g = _graph_ms(lambda i: fp8_linear_triton(x, ws[i], out=out, config=cfg), copies)
-                row.update(ms_graph=ms_g, GB_s_graph=wbytes / ms_g / 1e6, graph_copies=copies)
+                ws = _weight_copies(w, l2_miss_bytes)
+                ms_g = _graph_ms(lambda i: fp8_linear_triton(x, ws[i], out=out, config=cfg), len(ws))
+                row.update(ms_graph=ms_g, GB_s_graph=wbytes / ms_g / 1e6, graph_copies=len(ws))
                 del ws
             rows.append(row)
             if decode:
@@ -407,13 +555,12 @@ def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, 
                 c = (f" | cuBLAS {str(dtype)[6:]} {row['ms_cublas'] * 1e3:7.2f} us {row['cublas_GB_s']:7.0f} GB/s"
                      if cublas else "")
                 print(f"{name:10s} {out_f:5d}x{in_f:<5d} N={n:<4d} {ms * 1e3:7.2f} us {row['GB/s']:7.0f} GB/s "
-                      f"{row['GB/s'] / copy_gbs:5.1%} of copy{g}{c}  split={cfg.split_k}", flush=True)
+                      f"{row['GB/s'] / copy_gbs:5.1%} of copy{g}{c}  {cfg.label}", flush=True)
             else:
                 c = (f" | cuBLAS {str(dtype)[6:]} {row['ms_cublas'] * 1e3:8.1f} us "
                      f"{row['cublas_TFLOP_s']:6.1f} TFLOP/s" if cublas else "")
                 print(f"{name:10s} {out_f:5d}x{in_f:<5d} N={n:<4d} {ms * 1e3:8.1f} us "
-                      f"{row['TFLOP/s']:6.1f} TFLOP/s{c}  tiles={cfg.block_n}x{cfg.block_o} split={cfg.split_k}",
-                      flush=True)
+                      f"{row['TFLOP/s']:6.1f} TFLOP/s{c}  {cfg.label}", flush=True)
         del w, wb
         torch.cuda.empty_cache()
     for r in rows:
@@ -421,38 +568,158 @@ def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, 
     return rows
 
 
-def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16) -> None:
-    """Decode and prefill tilings around the defaults (no graphs, no cuBLAS): which to make the default."""
+def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Config]:
+    """What the sweep times for one call: the dot decode default, the GEMV default and its neighbours (half and
+    twice the rows per program at the same bytes per step, a twice-as-long step, 8 warps with a twice-as-long
+    step, 1 and 4 stages and split-K 2 when there are several steps, half the tokens per program for N > 1
+    and 8 for N > 4)."""
+    g = _gemv_config(n, out_f, in_f, sms)
+    pad = max(BLOCK, _pow2_ceil(in_f))
+
+    def gemv(**kw: int) -> Fp8Config:
+        c = replace(g, **kw)
+        return c if "num_stages" in kw else replace(c, num_stages=3 if in_f > c.block_k else 1)
+
+    out = [Fp8Config(block_n=16, block_o=32 if out_f >= 2048 else 16, num_warps=4, num_stages=4), g]
+    for bo in (g.block_o // 2, g.block_o * 2):
+        if 1 <= bo <= 32:
+            out.append(gemv(block_o=bo, block_k=max(BLOCK, min(pad, g.block_o * g.block_k // bo))))
+    out.append(gemv(block_k=min(pad, 2 * g.block_k)))
+    out.append(gemv(num_warps=8, block_k=min(pad, 2 * g.block_k)))
+    if in_f > g.block_k:
+        out += [gemv(num_stages=1), gemv(num_stages=4), gemv(split_k=2)]
+    if n > 1:
+        out.append(gemv(block_n=g.block_n // 2))
+    if n > 4:
+        out.append(gemv(block_n=8))
+    return list(dict.fromkeys(out))  # unique, in order
+
+
+def _config_src(cfg: Fp8Config) -> str:
+    """cfg as Python source with only its non-default fields, for TUNED_DECODE."""
+    default = Fp8Config()
+    args = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in cfg.__dataclass_fields__
+                     if getattr(cfg, f) != getattr(default, f))
+    return f"Fp8Config({args})"
+
+
+def _precompile_one(out_f: int, in_f: int, n: int, cfg: Fp8Config, dtype: torch.dtype) -> None:
+    w = random_fp8_weight(out_f, in_f, device="cuda")
+    fp8_linear_triton(torch.zeros((n, in_f), device="cuda", dtype=dtype), w, config=cfg)
+    torch.cuda.synchronize()
+
+
+def _precompile(jobs: Sequence[tuple[int, int, int, Fp8Config]], dtype: torch.dtype, timeout_s: float) -> None:
+    """Compile the kernels of (out, in, N, config) calls in worker processes (one compile is ~1-4 s of one CPU
+    core and the sweep has dozens), so the timing loop finds them in Triton's on-disk cache. Whatever fails or
+    is not done within timeout_s is compiled (and its error reported) by the timing loop."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, wait
+    todo: dict[tuple, tuple] = {}
+    for out_f, in_f, n, cfg in jobs:  # GEMV compiles depend on the config and in % 16 only; dot ones on all
+        split = resolve_split(cfg, n, out_f, in_f).split_k > 1
+        key = ((replace(cfg, split_k=0), split, in_f % 16) if cfg.kernel == "gemv" else
+               (cfg, n, out_f, in_f))
+        todo.setdefault(key, (out_f, in_f, n, cfg, dtype))
+    workers = max(1, min(len(todo), (os.cpu_count() or 2) - 2, 14))
+    t0 = time.monotonic()
+    try:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        futures = [pool.submit(_precompile_one, *job) for job in todo.values()]
+        done, _ = wait(futures, timeout=timeout_s)
+        pool.shutdown(wait=False, cancel_futures=True)
+    except Exception as e:  # noqa: BLE001 - e.g. no process pool here: the timing loop compiles
+        print(f"precompile skipped: {type(e).__name__}: {e}", flush=True)
+        return
+    ok = sum(f.exception() is None for f in done)
+    print(f"precompiled {ok} of {len(todo)} kernel configs in {time.monotonic() - t0:.0f} s with {workers} "
+          f"processes", flush=True)
+
+
+def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+          shapes: Sequence[tuple[str, int, int]] = V4_FLASH_SHAPES, tokens: Sequence[int] = (1, 4, 16),
+          l2_miss_bytes: int = 256 << 20, budget_s: float = 110.0) -> list[dict]:
+    """Decode variants (`_sweep_variants`: the dot path and GEMV tilings) at each N in `tokens` on each shape,
+    each replayed from a CUDA graph over >= l2_miss_bytes of weight copies. Prints one table (shape, N,
+    variant, us per call, GB/s of weight bytes, % of the copy bandwidth; 'pick' marks pick_config's choice),
+    then the best variant per (shape, N) and TUNED_DECODE lines for them. Each variant's output is checked
+    against the reference before it is timed. Variants not reached within budget_s seconds of the start are
+    skipped (and counted). Returns the rows."""
+    t0 = time.monotonic()
+    device = torch.device(device)
+    sms = num_sms(device)
+    plan = {(name, n): _sweep_variants(n, out_f, in_f, sms) for name, out_f, in_f in shapes for n in tokens}
+    _precompile([(out_f, in_f, n, cfg) for name, out_f, in_f in shapes for n in tokens for cfg in plan[name, n]],
+                dtype, timeout_s=budget_s / 2)
     copy_gbs = copy_bandwidth(device)
-    for n in (1, 16):
-        for block_o in (16, 32, 64):
-            for warps, stages in ((2, 4), (4, 3), (4, 4), (4, 6), (8, 4)):
-                for split, fp16 in ((0, False), (1, False), (0, True)):
-                    for name, out_f, in_f in V4_FLASH_SHAPES:
-                        cfg = Fp8Config(16, block_o, split, warps, stages, bf16_as_fp16=fp16)  # split 0: auto
-                        print(f"-- N={n} {cfg}", end=": ")
-                        _try(lambda: bench(device, shapes=((name, out_f, in_f),), tokens=(n,), prefill=(),
-                                           dtype=dtype, config=cfg, graph=False, cublas=False, copy_gbs=copy_gbs))
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; x {dtype}; CUDA-graph replay over >= {l2_miss_bytes >> 20} MiB "
+          f"of weight copies\n{'shape':20s} {'N':>3s}  {'variant':34s} {'us':>8s} {'GB/s':>7s} {'copy':>6s}",
+          flush=True)
+    rows, skipped = [], 0
+    for name, out_f, in_f in shapes:
+        w = random_fp8_weight(out_f, in_f, device=device, seed=out_f + in_f)
+        ws = _weight_copies(w, l2_miss_bytes)
+        for n in tokens:
+            x = torch.randn((n, in_f), device=device, dtype=dtype)
+            out = torch.empty((n, out_f), device=device, dtype=dtype)
+            ref = fp8_linear_reference(x.float(), w)
+            pick = pick_config(n, out_f, in_f, dtype, sms)
+            for cfg in plan[name, n]:
+                if time.monotonic() - t0 > budget_s:
+                    skipped += 1
+                    continue
+                head = f"{f'{name} {out_f}x{in_f}':20s} {n:3d}  {cfg.label:34s}"
+                mark = " pick" if resolve_split(cfg, n, out_f, in_f, sms) == pick else ""
+                try:  # checked against the reference first: a wrong variant is reported, never timed
+                    err = float((fp8_linear_triton(x, w, out=out.fill_(float("nan")), config=cfg).float() - ref)
+                                .norm() / ref.norm())
+                    if not err < 2e-2:  # NaN (an element not written) too
+                        print(f"{head} WRONG: rel. error {err:.1e}", flush=True)
+                        continue
+                    ms = _graph_ms(lambda i: fp8_linear_triton(x, ws[i], out=out, config=cfg), len(ws), rep_ms=20)
+                except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources
+                    print(f"{head} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    continue
+                gbs = w.nbytes / ms / 1e6
+                rows.append({"shape": name, "out": out_f, "in": in_f, "N": n, "config": cfg, "us": ms * 1e3,
+                             "GB/s": gbs, "copy": gbs / copy_gbs})
+                print(f"{head} {ms * 1e3:8.2f} {gbs:7.0f} {gbs / copy_gbs:6.1%}{mark}", flush=True)
+    best: dict[tuple[str, int], dict] = {}
+    for r in rows:
+        if (r["shape"], r["N"]) not in best or r["us"] < best[r["shape"], r["N"]]["us"]:
+            best[r["shape"], r["N"]] = r
+    print(f"\nbest per (shape, N){f'; {skipped} variants skipped (over {budget_s:.0f} s)' if skipped else ''}:")
+    for (name, n), r in best.items():
+        print(f"  {name:10s} N={n:<3d} {r['config'].label:34s} {r['us']:8.2f} us {r['copy']:6.1%}")
+    print("TUNED_DECODE entries (paste into TUNED_DECODE in moebox/ops/triton/fp8_linear.py):")
+    for name, out_f, in_f in shapes:
+        entries = ", ".join(f"({n}, {_config_src(best[name, n]['config'])})" for n in tokens if (name, n) in best)
+        if entries:
+            print(f"    ({out_f}, {in_f}): ({entries}),  # {name}")
+    print(f"sweep took {time.monotonic() - t0:.0f} s", flush=True)
+    return rows
+
+
+def sweep_prefill(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16) -> None:
+    """Prefill tilings of the dot kernel around the defaults (no graphs, no cuBLAS)."""
+    copy_gbs = copy_bandwidth(device)
     for block_n, block_o, warps, stages in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4),
                                             (64, 256, 8, 3), (128, 256, 8, 3)):
         cfg = Fp8Config(block_n, block_o, 0, warps, stages)
-        print(f"-- prefill {cfg}")
-        _try(lambda: bench(device, tokens=(), prefill=(2048,), dtype=dtype, config=cfg, graph=False, cublas=False,
-                           copy_gbs=copy_gbs))
+        try:
+            bench(device, tokens=(), prefill=(2048,), dtype=dtype, config=cfg, graph=False, cublas=False,
+                  copy_gbs=copy_gbs)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not fit (shared memory) is reported, not fatal
+            print(f"   {cfg.label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
-def _try(fn) -> None:
-    """Run one sweep point; a tiling that does not compile or fit (shared memory) is reported, not fatal."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources
-        print(f"   failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-
-
-if __name__ == "__main__":  # python -m moebox.ops.triton.fp8_linear [--sweep]
+if __name__ == "__main__":  # python -m moebox.ops.triton.fp8_linear [--sweep] [--sweep-prefill]
     import sys
     print(f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
-    bench()
     if "--sweep" in sys.argv:
         sweep()
+    if "--sweep-prefill" in sys.argv:
+        sweep_prefill()
+    if len(sys.argv) == 1:
+        bench()

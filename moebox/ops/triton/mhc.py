@@ -1,0 +1,490 @@
+"""Fused mHC (manifold-constrained hyper-connections, deepseek_v4.md §2.2) on the GPU: hc_pre in 2 Triton
+kernels, hc_post in 1, hc_head in 2, where the torch references launch ~140, ~7 and ~17 kernels.
+
+Why: a V4-Flash decode step calls hc_pre and hc_post twice per layer (43 layers: 86 of each). The torch
+hc_pre is ~140 tiny kernels (each of the 20 Sinkhorn iterations is 2 x (sum, add, div)); at ~1.1 us per kernel
+inside a CUDA graph that is ~150 us per call at any batch, more than a whole layer's weights take to stream.
+The references are the torch functions of moebox.ops.mhc (`hc_pre_reference`, ... re-exported here);
+`hc_pre_triton`, ... are the fused paths, which the dispatchers there take for CUDA tensors when triton imports.
+
+hc_pre, X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (24 x 16384 fp32 = 1.57 MB):
+  Kernel A, `_mix_logits_kernel` (split-K GEMV, grid (token tiles, SPLIT)): program (b, s) reads BLOCK_N
+    tokens and all M rows of fn over its K range s and computes acc = X_tile @ fn_tile^T (tl.dot in fp32
+    "ieee", i.e. FMA, never TF32) and the tokens' sum of squares there, since rms_norm(z) @ fn^T =
+    rsqrt(mean(z^2) + eps) * (z @ fn^T). Both go to the fp32 scratch ws [N, SPLIT, M_PAD] (the sum of squares
+    in column M; M_PAD = next power of 2 > M, >= 16 for the dot): each partial written once, no atomics, no
+    zeroing. Decode (N <= 16): one 16-token tile (rows past N re-read row N-1, from L1) and one 128-column K
+    step per program, SPLIT = K / 128 = 128 programs, so all of fn is requested at once by ~one program per SM
+    (fn is what a decode call must stream). Prefill: 64-token tiles, SPLIT just enough for ~one wave.
+  Kernel B, `_mix_kernel` (grid (N, 1 + H / BLOCK_H)): every program sums its token's SPLIT partials in a fixed
+    order (deterministic) and gets rs = rsqrt(sumsq / K + norm_eps) and the logits it needs. Program 0 of a
+    token computes post = 2 sigmoid(.) and comb (softmax over k + eps, 1 column and iters-1 (row, column)
+    normalisations, eps in every denominator) on the [hc, hc] tile in fp32 registers; the others compute
+    pre = sigmoid(.) + eps and x = sum_j pre_j X[j] over their BLOCK_H columns (fp32, one cast to X's dtype),
+    concurrently with it. BLOCK_H = one 16-byte vector per thread and stream (1024 bf16 / 512 fp32 columns
+    with 4 warps): at that width Triton's coalesced [hc, BLOCK_H] layout keeps a column's hc streams in one
+    thread, so the sum over streams needs no shared memory.
+  hc_head: kernels A and B with M = hc and no post/comb (HEAD).
+hc_post, `_post_kernel` (grid (N, H / BLOCK_H), elementwise, memory-bound): X_new[k] = post[k] out + sum_j
+  comb[j, k] X[j] in fp32, with post and comb first rounded to X's dtype as the reference does (.to(dt)), then
+  ONE rounding to X's dtype (the reference rounds 3 times in bf16: product, matmul, sum), so bf16 results
+  differ from it by ~1 ulp on some elements; fp32 agrees to fp32 rounding.
+
+Bounds: any hc (padded to a power of 2 with masks), H, N (N = 0 gives empty outputs), iters >= 0; X must be
+[N, hc, H] fp32/bf16/fp16 and hc_post's out of X's dtype and shape [N, H], else the dispatchers run the
+reference. Results differ from the reference only by fp32 rounding order (partial sums, tree reductions,
+Triton's exp / rsqrt / division).
+
+Bytes and time: an hc_pre call moves fn (1.57 MB) + X (N*K*2 bytes bf16: 32 KB a token) + x; X is read by both
+kernels (B's read hits L2 at decode). At 4.3 TB/s that is ~0.4 us at N = 1..16, so decode is latency-bound:
+two launches, kernel A one DRAM round trip per program (plus its FMA dot: 16 x 128 x 32 per program, the
+same at N = 1 as at 16), kernel B the longer of the x programs and the Sinkhorn program, a chain of 39
+dependent [hc, hc] normalisations (each 1-2 warp shuffles and a division; the sm_90 build has no shared memory
+and no barrier in that loop; ~1.5 us by instruction latencies, not yet timed). hc_post moves 2*N*K*2 + N*H*2
+bytes.
+`bench` / `python -m moebox.ops.triton.mhc [--sweep]` times fused vs torch in CUDA-graph replay.
+
+CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch with torch.empty and launches
+2 kernels (hc_pre, hc_head) or 1 (hc_post); no host sync, no data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+
+from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
+
+from moebox.ops.triton.runtime import HAVE_TRITON, num_sms, tl, triton  # noqa: F401 - Triton is optional
+
+__all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
+           "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
+           "random_site", "bench", "sweep"]
+
+
+@dataclass(frozen=True)
+class HcConfig:
+    """hc_pre / hc_head tiling. Kernel A: BLOCK_N tokens x BLOCK_K columns of the flattened streams per step,
+    `split` programs along K (0 = automatic). Kernel B: mix_warps warps, BLOCK_H columns of H per program
+    (0 = automatic: one 16-byte vector per thread, see `_block_h`)."""
+
+    block_n: int = 16
+    block_k: int = 128
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+    mix_warps: int = 4
+    block_h: int = 0
+
+
+@dataclass(frozen=True)
+class PostConfig:
+    """hc_post tiling: num_warps warps and BLOCK_H columns of H per program (0 = automatic, see `_block_h`),
+    all hc output streams of one token."""
+
+    num_warps: int = 4
+    block_h: int = 0
+
+
+MAX_SPLIT = 256  # kernel B loads all partials of a token as one [next_pow2(split), ...] tile
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
+    """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
+    stream (1024 bf16 or 512 fp32 columns with 4 warps), the width at which Triton's coalesced [hc, BLOCK_H]
+    layout keeps all hc streams of a column in one thread, so sums over streams need no shared memory (narrower
+    tiles spread the streams over warps). Capped at H rounded up to a power of 2."""
+    if not block_h:
+        block_h = 16 // dtype.itemsize * 32 * num_warps
+    return min(block_h, _pow2(hidden))
+
+
+def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
+    """The default hc_pre/hc_head tiling (split resolved): decode (N <= 16) one 16-token tile and one K step
+    per program; prefill 64-token tiles with >= 8 K steps per program, ~one wave of programs."""
+    if n <= 16:
+        cfg = HcConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
+    else:
+        cfg = HcConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return resolve_config(cfg, n, hc, hidden, sms)
+
+
+def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
+    """cfg with split 0 replaced by the automatic choice, and clamped to 1..min(K steps, MAX_SPLIT) with every
+    split the same number of K steps (the last may be shorter)."""
+    kb = _cdiv(hc * hidden, cfg.block_k)
+    split = cfg.split
+    if not split:
+        tiles = _cdiv(n, cfg.block_n)
+        split = min(kb, _cdiv(2 * sms, tiles)) if n <= 16 else max(1, min(_cdiv(sms, tiles), kb // 8))
+    split = max(1, min(split, kb, MAX_SPLIT))
+    return replace(cfg, split=_cdiv(kb, _cdiv(kb, split)))
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+if HAVE_TRITON:
+    @triton.jit
+    def _mix_logits_kernel(x_ptr, fn_ptr, ws_ptr, N, K, M, K_PER_SPLIT, SPLIT, stride_xn, stride_fm,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr):
+        """ws[n, s, :M] = X_flat[n, Ks] @ fn[:, Ks]^T, ws[n, s, M] = sum(X_flat[n, Ks]^2) for the K range Ks."""
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        offs_k = tl.arange(0, BLOCK_K)
+        # rows past N / M are clamped (loaded, never stored / replaced), so only K needs a mask
+        x_rows = x_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_xn     # [BN, 1]
+        fn_cols = fn_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[None, :] * stride_fm   # [1, MP]: fn^T tile
+        k0 = pid_s * K_PER_SPLIT
+        k1 = tl.minimum(k0 + K_PER_SPLIT, K)
+        acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(k0, k1, BLOCK_K):
+            kk = k + offs_k
+            mk = kk < k1
+            x = tl.load(x_rows + kk[None, :], mask=mk[None, :], other=0.0).to(tl.float32)
+            w = tl.load(fn_cols + kk[:, None], mask=mk[:, None], other=0.0).to(tl.float32)
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+            sq += tl.sum(x * x, axis=1)
+        acc = tl.where(offs_m[None, :] == M, sq[:, None], acc)
+        ws = ws_ptr + (offs_n.to(tl.int64)[:, None] * SPLIT + pid_s) * M_PAD + offs_m[None, :]
+        tl.store(ws, acc, mask=(offs_n < N)[:, None])
+
+    @triton.jit
+    def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                    H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
+                    HC: tl.constexpr, HC_PAD: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr):
+        """Per token n: the logits from the partials. Not HEAD: program 0 computes post and the Sinkhorn-
+        normalised comb (first, so the longest dependency chain starts first), the other programs x over
+        their BLOCK_H columns; HEAD: all programs compute x."""
+        n = tl.program_id(0)
+        ph = tl.program_id(1) - (0 if HEAD else 1)     # the H block of an x program; -1: post/comb
+        M: tl.constexpr = HC if HEAD else (2 + HC) * HC
+        offs_s = tl.arange(0, S_PAD)
+        offs_j = tl.arange(0, HC_PAD)
+        ms = offs_s < SPLIT
+        mj = offs_j < HC
+        ws_n = ws_ptr + (n.to(tl.int64) * SPLIT + offs_s) * M_PAD                       # [S_PAD]
+        sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0), axis=0)
+        rs = 1.0 / tl.sqrt(sumsq / K + norm_eps)
+        if ph >= 0:
+            pre_l = tl.sum(tl.load(ws_n[:, None] + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0),
+                           axis=0)
+            b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
+            pre = tl.sigmoid(pre_l * rs * tl.load(scale_ptr).to(tl.float32) + b_pre) + eps
+            hh = ph * BLOCK_H + tl.arange(0, BLOCK_H)
+            mh = hh < H
+            Xt = tl.load(X_ptr + n.to(tl.int64) * stride_Xn + offs_j[:, None] * H + hh[None, :],
+                         mask=mj[:, None] & mh[None, :], other=0.0).to(tl.float32)
+            x = tl.sum(pre[:, None] * Xt, axis=0)
+            tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
+        elif not HEAD:
+            post_l = tl.sum(tl.load(ws_n[:, None] + HC + offs_j[None, :], mask=ms[:, None] & mj[None, :],
+                                    other=0.0), axis=0)
+            b_post = tl.load(base_ptr + HC + offs_j, mask=mj, other=0.0).to(tl.float32)
+            post = 2.0 * tl.sigmoid(post_l * rs * tl.load(scale_ptr + 1).to(tl.float32) + b_post)
+            tl.store(post_ptr + n.to(tl.int64) * HC + offs_j, post, mask=mj)
+            jk = offs_j[:, None] * HC + offs_j[None, :]                                   # [HC_PAD, HC_PAD]
+            valid = mj[:, None] & mj[None, :]
+            comb_l = tl.sum(tl.load(ws_n[:, None, None] + 2 * HC + jk[None, :, :],
+                                    mask=ms[:, None, None] & valid[None, :, :], other=0.0), axis=0)
+            b_comb = tl.load(base_ptr + 2 * HC + jk, mask=valid, other=0.0).to(tl.float32)
+            a = comb_l * rs * tl.load(scale_ptr + 2).to(tl.float32) + b_comb
+            a = tl.where(mj[None, :], a, float("-inf"))       # padded columns; padded rows stay finite (0)
+            e = tl.exp(a - tl.max(a, axis=1)[:, None])
+            c = tl.where(valid, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)
+            c = c / (tl.sum(c, axis=0)[None, :] + eps)
+            for _ in range(iters - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + eps)
+                c = c / (tl.sum(c, axis=0)[None, :] + eps)
+            tl.store(comb_ptr + n.to(tl.int64) * (HC * HC) + jk, c, mask=valid)
+
+    @triton.jit
+    def _post_kernel(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, H, stride_on, stride_Xn, stride_yn,
+                     stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
+                     HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+        """y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h]; coefficients rounded to X's dtype."""
+        n = tl.program_id(0).to(tl.int64)
+        hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_k = tl.arange(0, HC_PAD)
+        mh = hh < H
+        mk = offs_k < HC
+        dt = X_ptr.dtype.element_ty
+        p = tl.load(post_ptr + n * stride_pn + offs_k * stride_pk, mask=mk, other=0.0).to(dt).to(tl.float32)
+        o = tl.load(o_ptr + n * stride_on + hh, mask=mh, other=0.0).to(tl.float32)
+        acc = p[:, None] * o[None, :]
+        for j in tl.static_range(HC):
+            c = tl.load(comb_ptr + n * stride_cn + j * stride_cj + offs_k * stride_ck, mask=mk, other=0.0)
+            xj = tl.load(X_ptr + n * stride_Xn + j * H + hh, mask=mh, other=0.0).to(tl.float32)
+            acc += c.to(dt).to(tl.float32)[:, None] * xj[None, :]
+        y = y_ptr + n * stride_yn + offs_k[:, None] * H + hh[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mk[:, None] & mh[None, :])
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_supported(X: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """Whether the fused kernels take these streams (and sub-block output): X [N, hc, H] fp32/bf16/fp16, out of
+    X's dtype and shape [N, H]."""
+    if X.dim() != 3 or X.dtype not in _DTYPES:
+        return False
+    return out is None or (out.dtype == X.dtype and tuple(out.shape) == (X.shape[0], X.shape[2]))
+
+
+def _streams(X: torch.Tensor) -> torch.Tensor:
+    """X with each token's hc*H values contiguous (any token stride)."""
+    if X.dim() != 3 or X.dtype not in _DTYPES:
+        raise ValueError(f"X must be [N, hc, H] fp32/bf16/fp16, got {tuple(X.shape)} {X.dtype}")
+    _, hc, hidden = X.shape
+    if (hidden > 1 and X.stride(2) != 1) or (hc > 1 and X.stride(1) != hidden):
+        X = X.contiguous()
+    return X
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _filled(into: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+            name: str) -> torch.Tensor:
+    if into is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(into.shape) != shape or into.dtype != dtype or into.device != device or not into.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {list(shape)} {dtype} on {device}, got "
+                         f"{tuple(into.shape)} {into.dtype} on {into.device}")
+    return into
+
+
+def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tuple[torch.Tensor, int]:
+    """Kernel A: the fp32 partials [N, split, M_PAD] (logits in columns < M, sum of squares in column M)."""
+    n, hc, hidden = X.shape
+    k = hc * hidden
+    if tuple(fn.shape) != (m, k):
+        raise ValueError(f"fn must be [{m}, {k}], got {tuple(fn.shape)}")
+    m_pad = max(16, _pow2(m + 1))
+    per = _cdiv(_cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
+    ws = torch.empty((n, cfg.split, m_pad), dtype=torch.float32, device=X.device)
+    fn = _rows(fn)
+    _mix_logits_kernel[(_cdiv(n, cfg.block_n), cfg.split)](
+        X, fn, ws, n, k, m, per, cfg.split, X.stride(0), fn.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return ws, m_pad
+
+
+def _mix(X: torch.Tensor, ws: torch.Tensor, m_pad: int, base: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
+         post: torch.Tensor | None, comb: torch.Tensor | None, cfg: HcConfig, iters: int, eps: float,
+         norm_eps: float) -> None:
+    """Kernel B: x (and post, comb unless hc_head)."""
+    n, hc, hidden = X.shape
+    head = post is None
+    block_h = _block_h(cfg.block_h, cfg.mix_warps, X.dtype, hidden)
+    h_blocks = _cdiv(hidden, block_h)
+    _mix_kernel[(n, h_blocks + (0 if head else 1))](
+        X, ws, _rows(base), _rows(scale), x, x if head else post, x if head else comb,
+        hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), x.stride(0),
+        HC=hc, HC_PAD=_pow2(hc), M_PAD=m_pad, S_PAD=_pow2(cfg.split), BLOCK_H=block_h, HEAD=head,
+        num_warps=cfg.mix_warps)
+
+
+def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
+    n, hc, hidden = X.shape
+    sms = num_sms(X.device)
+    return pick_config(n, hc, hidden, sms) if config is None else resolve_config(config, n, hc, hidden, sms)
+
+
+def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
+                  eps: float, norm_eps: float, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  config: HcConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused hc_pre: X [N, hc, H] -> (x [N, H] in X's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32), as
+    `hc_pre_reference`. `into` = (x, post, comb) buffers to fill (every element written). Runs on CUDA, or on
+    CPU tensors under TRITON_INTERPRET=1."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    X = _streams(X)
+    n, hc, hidden = X.shape
+    m = (2 + hc) * hc
+    if base.numel() != m or scale.numel() < 3:
+        raise ValueError(f"base must have {m} elements and scale 3, got {base.numel()} and {scale.numel()}")
+    bx, bp, bc = into if into is not None else (None, None, None)
+    x = _filled(bx, (n, hidden), X.dtype, X.device, "x")
+    post = _filled(bp, (n, hc), torch.float32, X.device, "post")
+    comb = _filled(bc, (n, hc, hc), torch.float32, X.device, "comb")
+    if n == 0:
+        return x, post, comb
+    cfg = _config(config, X)
+    ws, m_pad = _mix_logits(X, fn, m, cfg)
+    _mix(X, ws, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps)
+    return x, post, comb
+
+
+def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
+                   norm_eps: float, into: torch.Tensor | None = None, config: HcConfig | None = None) -> torch.Tensor:
+    """Fused hc_head: X [N, hc, H] -> y [N, H] in X's dtype, as `hc_head_reference`."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    X = _streams(X)
+    n, hc, hidden = X.shape
+    if base.numel() != hc or scale.numel() < 1:
+        raise ValueError(f"base must have {hc} elements and scale 1, got {base.numel()} and {scale.numel()}")
+    y = _filled(into, (n, hidden), X.dtype, X.device, "y")
+    if n == 0:
+        return y
+    cfg = _config(config, X)
+    ws, m_pad = _mix_logits(X, fn, hc, cfg)
+    _mix(X, ws, m_pad, base, scale, y, None, None, cfg, 0, eps, norm_eps)
+    return y
+
+
+def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+                   into: torch.Tensor | None = None, config: PostConfig | None = None) -> torch.Tensor:
+    """Fused hc_post: X_new [N, hc, H] in X's dtype (out [N, H] of X's dtype, post [N, hc], comb [N, hc, hc]),
+    as `hc_post_reference`. `into`: the X_new buffer to fill; it must not alias X."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    X = _streams(X)
+    n, hc, hidden = X.shape
+    if not fused_supported(X, out) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc):
+        raise ValueError(f"shapes/dtypes: out {tuple(out.shape)} {out.dtype}, X {tuple(X.shape)} {X.dtype}, "
+                         f"post {tuple(post.shape)}, comb {tuple(comb.shape)}")
+    y = _filled(into, (n, hc, hidden), X.dtype, X.device, "X_new")
+    if n == 0 or hidden == 0:
+        return y
+    cfg = config or PostConfig()
+    block_h = _block_h(cfg.block_h, cfg.num_warps, X.dtype, hidden)
+    out = _rows(out)
+    _post_kernel[(n, _cdiv(hidden, block_h))](
+        out, X, post, comb, y, hidden, out.stride(0), X.stride(0), y.stride(0),
+        post.stride(0), post.stride(1), comb.stride(0), comb.stride(1), comb.stride(2),
+        HC=hc, HC_PAD=_pow2(hc), BLOCK_H=block_h, num_warps=cfg.num_warps)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------- bench
+def random_site(n: int, hc: int = 4, hidden: int = 4096, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cuda", seed: int = 0, head: bool = False) -> tuple[torch.Tensor, ...]:
+    """(X, fn, base, scale) of one mHC site: X ~N(0, 1), fn ~N(0, 1.5^2 / K) so the logits are ~N(0, 1.5^2) at
+    any size (a comb far from uniform), base ~N(0, 1), scale in [0.5, 1.5) (1 entry for the head, 3 otherwise)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    m = hc if head else (2 + hc) * hc
+    X = torch.randn((n, hc, hidden), generator=g, device=device).to(dtype)
+    fn = torch.randn((m, hc * hidden), generator=g, device=device) * (1.5 / (hc * hidden) ** 0.5)
+    base = torch.randn((m,), generator=g, device=device)
+    scale = 0.5 + torch.rand((1 if head else 3,), generator=g, device=device)
+    return X, fn, base, scale
+
+
+def _graph_us(call: Callable[[int], object], copies: int) -> float:
+    """Per-call time (us) of `copies` calls captured in one CUDA graph (each on its own inputs), replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(copies):
+            call(i)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100)
+    del graph
+    return ms * 1e3 / copies
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dtype: torch.dtype,
+             config: HcConfig | None, ops: Sequence[str], torch_ref: bool, l2_miss_bytes: int) -> list[dict]:
+    """The bench rows of one N (its inputs are freed on return)."""
+    kw = dict(iters=iters, eps=1e-6, norm_eps=1e-6)
+    esz = dtype.itemsize
+    m, k = (2 + hc) * hc, hc * hidden
+    nbytes = {"hc_pre": m * k * 4 + n * k * esz + n * hidden * esz + n * (hc + hc * hc) * 4,
+              "hc_post": 2 * n * k * esz + n * hidden * esz + n * (hc + hc * hc) * 4}
+    copies = max(1, min(64, _cdiv(l2_miss_bytes, nbytes["hc_pre"])))
+    sites = [random_site(n, hc, hidden, dtype, device, seed=i) for i in range(copies)]
+    outs = [torch.randn((n, hidden), device=device).to(dtype) for _ in range(copies)]
+    mixes = [hc_pre_reference(*site, **kw) for site in sites]
+    calls = {"hc_pre": (lambda i: hc_pre_triton(*sites[i], **kw, config=config),
+                        lambda i: hc_pre_reference(*sites[i], **kw)),
+             "hc_post": (lambda i: hc_post_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2]),
+                         lambda i: hc_post_reference(outs[i], sites[i][0], mixes[i][1], mixes[i][2]))}
+    rows = []
+    for op in ops:
+        fused, ref = calls[op]
+        got, want = fused(0), ref(0)
+        err = max(_rel(a, b) for a, b in zip(got, want)) if op == "hc_pre" else _rel(got, want)
+        us = _graph_us(fused, copies)
+        us_ref = _graph_us(ref, copies) if torch_ref else float("nan")
+        rows.append(dict(op=op, N=n, bytes=nbytes[op], us=us, GB_s=nbytes[op] / us / 1e3, torch_us=us_ref,
+                         torch_GB_s=nbytes[op] / us_ref / 1e3, rel_err=err, copies=copies))
+    return rows
+
+
+def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16, 2048), hc: int = 4,
+          hidden: int = 4096, iters: int = 20, dtype: torch.dtype = torch.bfloat16, config: HcConfig | None = None,
+          ops: Sequence[str] = ("hc_pre", "hc_post"), torch_ref: bool = True, l2_miss_bytes: int = 192 << 20,
+          quiet: bool = False) -> list[dict]:
+    """hc_pre and hc_post, fused vs torch, each replayed from a CUDA graph of `copies` calls on distinct
+    inputs (fn, X, out) totalling >= l2_miss_bytes, so each call reads its bytes from DRAM as consecutive
+    layers do. GB/s = the bytes a call must move (fn + X read, x/post/comb written; X + out + post/comb read,
+    X_new written) / time; rel err = the largest relative L2 error of the fused outputs vs torch. Prints one
+    table (unless quiet); returns its rows."""
+    device = torch.device(device)
+    if not quiet:
+        print(f"mHC hc={hc} H={hidden} iters={iters} X {str(dtype)[6:]}; CUDA-graph replay, inputs cycled past L2; "
+              f"fused config {'auto' if config is None else config}")
+        print(f"{'op':8s} {'N':>5s} {'bytes':>9s} | {'fused us':>9s} {'GB/s':>6s} | {'torch us':>9s} {'GB/s':>6s} | "
+              f"{'speedup':>7s}  rel err")
+    rows = []
+    for n in tokens:
+        for r in _bench_n(n, device, hc, hidden, iters, dtype, config, ops, torch_ref, l2_miss_bytes):
+            rows.append(r)
+            if not quiet:
+                print(f"{r['op']:8s} {n:5d} {r['bytes'] / 1e6:7.2f}MB | {r['us']:9.2f} {r['GB_s']:6.0f} | "
+                      f"{r['torch_us']:9.2f} {r['torch_GB_s']:6.0f} | {r['torch_us'] / r['us']:6.1f}x  "
+                      f"{r['rel_err']:.1e}", flush=True)
+        torch.cuda.empty_cache()
+    if not quiet and len(ops) == 2:
+        for n in (t for t in tokens if t <= 16):
+            fused = 86 * sum(r["us"] for r in rows if r["N"] == n)
+            ref = 86 * sum(r["torch_us"] for r in rows if r["N"] == n)
+            print(f"per decode step at N={n} (43 layers x 2 sites x (pre + post)): fused {fused:6.0f} us, "
+                  f"torch {ref:6.0f} us")
+    return rows
+
+
+def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 16)) -> None:
+    """hc_pre decode tilings around the default (fused only): which to make the default."""
+    for block_k in (64, 128, 256):
+        for warps in (2, 4, 8):
+            for mix_warps in (2, 4, 8):
+                cfg = HcConfig(16, block_k, 0, warps, 3, mix_warps)
+                try:
+                    rows = bench(device, tokens=tokens, config=cfg, ops=("hc_pre",), torch_ref=False, quiet=True)
+                except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources: report, go on
+                    print(f"{cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                print(f"{cfg}: " + "  ".join(f"N={r['N']} {r['us']:6.2f} us" for r in rows), flush=True)
+
+
+if __name__ == "__main__":  # python -m moebox.ops.triton.mhc [--sweep]
+    import sys
+    print(f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
+    bench()
+    if "--sweep" in sys.argv:
+        sweep()

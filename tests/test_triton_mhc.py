@@ -1,0 +1,362 @@
+"""The fused mHC kernels (moebox/ops/triton/mhc.py) against the torch references (moebox/ops/mhc.py).
+
+- CPU: the dispatchers run the references off CUDA; the tiling choice; argument checks; the kernels themselves in
+  Triton's interpreter (TRITON_INTERPRET=1 is read when triton is imported, so that check runs in a
+  subprocess), fp32 and fp16, tiny shapes: hc 2, 3 (padded), 4; H 64, 80, 96, 256; splits that do not divide
+  K, several H blocks with a partial last one, several token tiles, strided X, iters 1 and 20.
+- GPU (marker `gpu`, skipped without CUDA): the V4-Flash shape (hc 4, H 4096) and tiny/odd ones, N in
+  {1, 3, 16, 300}, fp32 and bf16, outputs poisoned with NaN (and the caching allocator's free blocks, which the
+  scratch reuses) before each run, determinism, forced tilings, N = 2048, the dispatch, a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import textwrap
+from typing import Iterator
+
+import pytest
+import torch
+
+from moebox.ops import mhc
+from moebox.ops.mhc import hc_head, hc_head_reference, hc_post, hc_post_reference, hc_pre, hc_pre_reference
+
+from tests.interpreter import check_in_interpreter
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+KW = dict(iters=20, eps=1e-6, norm_eps=1e-6)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+def site(n: int, hc: int, hidden: int, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+         head: bool = False) -> tuple[torch.Tensor, ...]:
+    """(X, fn, base, scale) with logits ~N(0, 1.5^2) (a comb far from uniform) and token magnitudes spread over
+    10^-2..10^2 (so a wrong per-token rms shows)."""
+    g = torch.Generator().manual_seed(seed)
+    m = hc if head else (2 + hc) * hc
+    X = torch.randn(n, hc, hidden, generator=g) * torch.logspace(-2, 2, n)[:, None, None]
+    fn = torch.randn(m, hc * hidden, generator=g) * (1.5 / (hc * hidden) ** 0.5)
+    base = torch.randn(m, generator=g)
+    scale = 0.5 + torch.rand(1 if head else 3, generator=g)
+    return tuple(t.to(device) for t in (X.to(dtype), fn, base, scale))
+
+
+def post_inputs(n: int, hc: int, hidden: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(out, X, post, comb) for hc_post, out and X ~N(0, 1); post and comb from a real hc_pre (comb doubly
+    stochastic, not symmetric for hc > 2)."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, hc, hidden, generator=g)
+    out = torch.randn(n, hidden, generator=g)
+    _, post, comb = hc_pre_reference(X, *site(n, hc, hidden, seed=seed)[1:], **KW)
+    return tuple(t.to(device) for t in (out.to(dtype), X.to(dtype), post, comb))
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+def test_dispatchers_run_the_references_on_cpu() -> None:
+    X, fn, base, scale = site(3, 4, 16, seed=1)
+    for a, b in zip(hc_pre(X, fn, base, scale, **KW), hc_pre_reference(X, fn, base, scale, **KW)):
+        assert torch.equal(a, b)
+    out, Xp, post, comb = post_inputs(3, 4, 16, seed=2)
+    assert torch.equal(hc_post(out, Xp, post, comb), hc_post_reference(out, Xp, post, comb))
+    Xh, fnh, bh, sh = site(3, 4, 16, seed=3, head=True)
+    assert torch.equal(hc_head(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6),
+                       hc_head_reference(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_pick_config_and_checks() -> None:
+    from moebox.ops.triton.mhc import MAX_SPLIT, HcConfig, _block_h, fused_supported, hc_pre_triton, pick_config
+    from moebox.ops.triton.mhc import resolve_config
+    for hc, hidden in ((4, 4096), (2, 64), (3, 96), (4, 7168)):
+        for n in (1, 3, 16, 17, 300, 2048):
+            cfg = pick_config(n, hc, hidden, sms=132)
+            kb = -(-hc * hidden // cfg.block_k)
+            assert 1 <= cfg.split <= min(kb, MAX_SPLIT)
+            per = -(-kb // cfg.split)
+            assert -(-kb // per) == cfg.split            # every split has K steps
+            assert cfg.block_n == (16 if n <= 16 else 64)
+    v4 = pick_config(1, 4, 4096, sms=132)
+    assert v4.split == 128 and v4.block_k == 128           # decode: all of fn requested at once
+    assert pick_config(2048, 4, 4096, sms=132).split * 32 >= 132   # prefill: about a wave
+    assert resolve_config(HcConfig(split=1000), 1, 4, 4096).split == 128
+    assert _block_h(0, 4, torch.bfloat16, 4096) == 1024 and _block_h(0, 4, torch.float32, 4096) == 512
+    assert _block_h(0, 4, torch.bfloat16, 96) == 128 and _block_h(32, 4, torch.float32, 4096) == 32
+    X, fn, base, scale = site(3, 4, 16)
+    assert fused_supported(X) and fused_supported(X, torch.empty(3, 16))
+    assert not fused_supported(X, torch.empty(3, 16, dtype=torch.float64))
+    assert not fused_supported(X[0]) and not fused_supported(X.double())
+    with pytest.raises(ValueError):
+        hc_pre_triton(X, fn[:, :-1], base, scale, **KW)
+    with pytest.raises(ValueError):
+        hc_pre_triton(X, fn, base[:-1], scale, **KW)
+    with pytest.raises(ValueError):
+        hc_pre_triton(X, fn, base, scale, **KW, into=(torch.empty(3, 15), torch.empty(3, 4), torch.empty(3, 4, 4)))
+
+
+_INTERPRETER_CHECK = textwrap.dedent("""
+    import json, os, sys, torch
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, sys.argv[1])
+    from moebox.ops.triton.mhc import (HcConfig, PostConfig, hc_head_reference, hc_head_triton, hc_post_reference,
+                                       hc_post_triton, hc_pre_reference, hc_pre_triton)
+    from tests.test_triton_mhc import post_inputs, site
+    nan = float("nan")
+    results = []
+
+    def add(case, got, ref, buf, tol):
+        # rel: the largest error of a token relative to its own norm (token magnitudes differ 10^4x)
+        err = (got.double() - ref.double()).flatten(1).norm(dim=1)
+        norm = ref.double().flatten(1).norm(dim=1)
+        results.append(dict(case=case, same_buffer=got.data_ptr() == buf.data_ptr(),
+                            finite=bool(torch.isfinite(got).all()), rel=float((err / norm).max()),
+                            ref_norm=float(norm.min()), tol=tol))
+
+    # (hc, H, N, X dtype, iters, config): default decode (split 2) and prefill tilings, then forced ones:
+    # hc 3 padded to 4 with a split that leaves a partial K step (K 288, steps of 64) and 3 H blocks of 32;
+    # 2 token tiles x 4 splits (the last 1 step long); 9 splits padded to 16 in kernel B; iters 1
+    cases = [(4, 64, 1, torch.float32, 20, None), (2, 64, 3, torch.float32, 20, None),
+             (4, 80, 20, torch.float32, 20, None),
+             (3, 96, 5, torch.float32, 20, HcConfig(block_k=64, split=3, block_h=32)),
+             (4, 80, 20, torch.float32, 20, HcConfig(block_n=16, block_k=32, split=4, block_h=64)),
+             (3, 96, 2, torch.float32, 1, HcConfig(block_k=32, split=9, block_h=32)),
+             (4, 256, 3, torch.float16, 20, None), (2, 64, 17, torch.float16, 20, HcConfig(16, 32, 3, block_h=16))]
+    for i, (hc, H, n, dt, iters, cfg) in enumerate(cases):
+        X, fn, base, scale = site(n, hc, H, dt, seed=i)
+        if i == 2:   # tokens with a row stride: every other row of a wider batch
+            X = site(2 * n, hc, H, dt, seed=i)[0][::2]
+        kw = dict(iters=iters, eps=1e-6, norm_eps=1e-6)
+        into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
+        got = hc_pre_triton(X, fn, base, scale, **kw, into=into, config=cfg)
+        ref = hc_pre_reference(X, fn, base, scale, **kw)
+        name = f"hc_pre hc={hc} H={H} N={n} {dt} iters={iters} {cfg}"
+        for out, g, r, b, tol in zip(("x", "post", "comb"), got, ref, into,
+                                     (1e-3 if dt == torch.float16 else 1e-6, 4e-6, 4e-6)):
+            add(f"{name}: {out}", g, r, b, tol)
+        if i in (0, 3, 6):
+            Xh, fnh, bh, sh = site(n, hc, H, dt, seed=10 + i, head=True)
+            y = torch.full((n, H), nan, dtype=dt)
+            got = hc_head_triton(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6, into=y, config=cfg)
+            ref = hc_head_reference(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
+            add(f"hc_head hc={hc} H={H} N={n} {dt}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
+
+    # hc_post: (hc, H, N, dtype, config); the fp16 reference rounds 3 times, the kernel once
+    for i, (hc, H, n, dt, cfg) in enumerate([(4, 64, 3, torch.float32, None), (2, 256, 1, torch.float32, None),
+                                             (3, 96, 20, torch.float16, PostConfig(block_h=32)),
+                                             (4, 80, 5, torch.float16, PostConfig(num_warps=2, block_h=64))]):
+        out, X, post, comb = post_inputs(n, hc, H, dt, seed=20 + i)
+        y = torch.full((n, hc, H), nan, dtype=dt)
+        got = hc_post_triton(out, X, post.t().contiguous().t() if i == 0 else post, comb, into=y, config=cfg)
+        ref = hc_post_reference(out, X, post, comb)
+        add(f"hc_post hc={hc} H={H} N={n} {dt} {cfg}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
+    print("RESULT " + json.dumps(results))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_kernels_in_triton_interpreter() -> None:
+    """Tiny shapes through the real kernels in Triton's CPU interpreter, vs the references."""
+    check_in_interpreter(_INTERPRETER_CHECK)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SHAPES = [("v4", 4, 4096), ("hc2_H64", 2, 64), ("hc4_H256", 4, 256), ("hc3_H96", 3, 96)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _poison_allocator() -> None:
+    """Fill free blocks of the caching allocator (small and large pool) with NaN, so a scratch or output that
+    torch.empty hands out and a kernel fails to write shows up as NaN."""
+    for numel in (1 << 18, 1 << 24):
+        torch.full((numel,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _no_tf32() -> Iterator[None]:
+    """The fp32 reference must not use TF32 (F.linear in hc_pre)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _assert_x_close(x: torch.Tensor, ref: torch.Tensor, X: torch.Tensor) -> None:
+    """x = sum_j pre_j X[j] in X's dtype: elementwise within one ulp of X's dtype of the reference (both round
+    fp32 sums that differ by fp32 rounding, so the cast may pick neighbours) plus that fp32 rounding, bounded by
+    2^-18 sum_j |X[j]| (pre_j < 1.01; cancelling sums)."""
+    assert x.dtype == ref.dtype and torch.isfinite(x).all()
+    ulp = 2.0 ** -7 if x.dtype == torch.bfloat16 else 2.0 ** -20
+    d = (x.double() - ref.double()).abs()
+    bound = ulp * ref.double().abs() + 2.0 ** -18 * X.double().abs().sum(dim=1)
+    assert bool((d <= bound).all()), float((d / bound).max())
+    assert rel_err(x, ref) < (4e-3 if x.dtype == torch.bfloat16 else 1e-5)
+
+
+def _check_pre(n: int, hc: int, hidden: int, dtype: torch.dtype, config=None, X: torch.Tensor | None = None,
+               seed: int = 0) -> None:
+    from moebox.ops.triton.mhc import hc_pre_triton
+    X0, fn, base, scale = site(n, hc, hidden, dtype, "cuda", seed)
+    X = X0 if X is None else X
+    with _no_tf32():
+        ref = hc_pre_reference(X, fn, base, scale, **KW)
+    first = None
+    for _ in range(2):  # the second run into re-poisoned buffers: nothing stale, and bit-identical (deterministic)
+        into = (torch.full((n, hidden), float("nan"), device="cuda", dtype=dtype),
+                torch.full((n, hc), float("nan"), device="cuda"), torch.full((n, hc, hc), float("nan"), device="cuda"))
+        _poison_allocator()
+        got = hc_pre_triton(X, fn, base, scale, **KW, into=into, config=config)
+        torch.cuda.synchronize()
+        assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, into))
+        x, post, comb = got
+        _assert_x_close(x, ref[0], X)
+        assert torch.isfinite(post).all() and torch.isfinite(comb).all()
+        assert float((post - ref[1]).abs().max()) < 2e-5, float((post - ref[1]).abs().max())
+        assert float((comb - ref[2]).abs().max()) < 2e-5, float((comb - ref[2]).abs().max())
+        if first is not None:
+            assert all(torch.equal(a, b) for a, b in zip(first, got))
+        first = tuple(t.clone() for t in got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 16, 300])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_hc_pre(shape: tuple, n: int, dtype: torch.dtype) -> None:
+    _, hc, hidden = shape
+    _check_pre(n, hc, hidden, dtype, seed=n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 16, 300])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_hc_post(shape: tuple, n: int, dtype: torch.dtype) -> None:
+    """vs the reference, and elementwise within half an ulp of the exact value with the coefficients rounded
+    to X's dtype (the kernel rounds once)."""
+    from moebox.ops.triton.mhc import hc_post_triton
+    _, hc, hidden = shape
+    out, X, post, comb = post_inputs(n, hc, hidden, dtype, "cuda", seed=n)
+    y = torch.full((n, hc, hidden), float("nan"), device="cuda", dtype=dtype)
+    got = hc_post_triton(out, X, post, comb, into=y)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == y.data_ptr() and torch.isfinite(got).all()
+    p, c = post.to(dtype).double(), comb.to(dtype).double()
+    exact = p[:, :, None] * out.double()[:, None, :] + torch.einsum("njk,njh->nkh", c, X.double())
+    mag = p.abs()[:, :, None] * out.double().abs()[:, None, :] + torch.einsum("njk,njh->nkh", c.abs(), X.double().abs())
+    half_ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8   # of the one final rounding, relative
+    bound = half_ulp * exact.abs() + 2.0 ** -21 * mag + torch.finfo(dtype).tiny   # (+ fp16 subnormals)
+    assert bool(((got.double() - exact).abs() <= bound).all()), float(((got.double() - exact).abs() / bound).max())
+    with _no_tf32():
+        assert rel_err(got, hc_post_reference(out, X, post, comb)) < (1e-6 if dtype == torch.float32 else 1e-2)
+    if hc > 2:  # (a 2 x 2 doubly stochastic matrix is symmetric)
+        wrong = p[:, :, None] * out.double()[:, None, :] + torch.einsum("nkj,njh->nkh", c, X.double())
+        assert rel_err(got, wrong) > 1e-2  # the orientation of comb shows at these inputs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 16, 300])
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=[s[0] for s in SHAPES[:2]])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_hc_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
+    from moebox.ops.triton.mhc import hc_head_triton
+    _, hc, hidden = shape
+    X, fn, base, scale = site(n, hc, hidden, dtype, "cuda", seed=n, head=True)
+    with _no_tf32():
+        ref = hc_head_reference(X, fn, base, scale, eps=1e-6, norm_eps=1e-6)
+    y = torch.full((n, hidden), float("nan"), device="cuda", dtype=dtype)
+    _poison_allocator()
+    got = hc_head_triton(X, fn, base, scale, eps=1e-6, norm_eps=1e-6, into=y)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == y.data_ptr()
+    _assert_x_close(got, ref, X)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_prefill_forced_tilings_and_strides() -> None:
+    from moebox.ops.triton.mhc import HcConfig
+    _check_pre(2048, 4, 4096, torch.bfloat16)
+    for cfg in (HcConfig(split=1), HcConfig(block_k=64, split=256), HcConfig(block_n=64, block_k=64, split=7),
+                HcConfig(block_n=16, block_k=256, num_warps=8, mix_warps=8),
+                HcConfig(block_k=32, split=100, mix_warps=2, block_h=128)):
+        for n in (1, 17, 300):
+            _check_pre(n, 4, 4096, torch.bfloat16, config=cfg)
+        _check_pre(5, 3, 96, torch.float32, config=cfg)
+    wide = site(32, 4, 4096, torch.bfloat16, "cuda", seed=5)[0]
+    _check_pre(16, 4, 4096, torch.bfloat16, X=wide[::2])                       # token stride 2 * hc * H
+    _check_pre(16, 4, 4096, torch.bfloat16, X=wide[:16].transpose(0, 1).contiguous().transpose(0, 1))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_dispatch_takes_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moebox.ops.triton import mhc as fused
+    calls = []
+    for name in ("hc_pre_triton", "hc_post_triton", "hc_head_triton"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    X, fn, base, scale = site(3, 4, 256, torch.bfloat16, "cuda")
+    x, post, comb = mhc.hc_pre(X, fn, base, scale, **KW)
+    mhc.hc_post(x, X, post, comb)
+    mhc.hc_head(X, fn[:4], base[:4], scale[:1], eps=1e-6, norm_eps=1e-6)
+    assert calls == ["hc_pre_triton", "hc_post_triton", "hc_head_triton"]
+    mhc.hc_post(x.float(), X, post, comb)  # out of another dtype: the reference
+    assert len(calls) == 3
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_graph_replay() -> None:
+    """A block's mHC calls (pre, post, pre, post) and the head captured in one CUDA graph; replays follow new
+    streams written into the static input, with all outputs poisoned before each replay."""
+    from moebox.ops.triton.mhc import hc_head_triton, hc_post_triton, hc_pre_triton
+    n, hc, hidden = 4, 4, 4096
+    X, fn1, b1, s1 = site(n, hc, hidden, torch.bfloat16, "cuda", seed=1)
+    _, fn2, b2, s2 = site(n, hc, hidden, torch.bfloat16, "cuda", seed=2)
+    _, fnh, bh, sh = site(n, hc, hidden, torch.bfloat16, "cuda", seed=3, head=True)
+
+    def step(X: torch.Tensor):
+        x1, p1, c1 = hc_pre_triton(X, fn1, b1, s1, **KW)
+        X1 = hc_post_triton(torch.tanh(x1), X, p1, c1)
+        x2, p2, c2 = hc_pre_triton(X1, fn2, b2, s2, **KW)
+        X2 = hc_post_triton(x2 * 0.5, X1, p2, c2)
+        return x1, X1, X2, hc_head_triton(X2, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
+
+    def ref_step(X: torch.Tensor):
+        x1, p1, c1 = hc_pre_reference(X, fn1, b1, s1, **KW)
+        X1 = hc_post_reference(torch.tanh(x1), X, p1, c1)
+        x2, p2, c2 = hc_pre_reference(X1, fn2, b2, s2, **KW)
+        X2 = hc_post_reference(x2 * 0.5, X1, p2, c2)
+        return x1, X1, X2, hc_head_reference(X2, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(X)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(X)
+    for seed in (7, 8):
+        X.copy_(site(n, hc, hidden, torch.bfloat16, "cuda", seed=seed)[0])
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        with _no_tf32():
+            refs = ref_step(X)
+        for o, r in zip(outs, refs):
+            assert torch.isfinite(o).all() and rel_err(o, r) < 1e-2, rel_err(o, r)
+        assert rel_err(outs[0], refs[0]) < 4e-3  # x1 depends on X alone: within bf16 rounding
