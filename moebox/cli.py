@@ -174,6 +174,21 @@ register("check", Command("validate a checkpoint (config, index, headers, tensor
                           _run_check))
 
 
+
+def _configure_bench(p: argparse.ArgumentParser) -> None:
+    from moebox.bench.decode import configure
+    configure(p)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from moebox.bench.decode import run
+    return run(args)
+
+
+register("bench", Command("decode/prefill speed of a full-size synthetic model against the device's bandwidth",
+                          _configure_bench, _run_bench))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moebox", description="DeepSeek-V4 MoE inference server")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -37,19 +37,60 @@ def test_cuda_matches_cpu(tiny_ckpt, kv_cache_dtype):
 
 
 def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path):
-    """Decode steps (<= 16 tokens) of w2 experts on CUDA take the fused Triton kernels; the CPU runs the torch
-    reference over the same planes."""
-    ids = torch.randint(2, 320, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    """Decode steps on CUDA take the shape-static DecodeBatch path (compiled attention pieces, the fused w2
+    Triton kernels); the CPU runs flat batches through the torch reference over the same planes. 40 decode
+    steps pass the window and several compressor windows."""
+    from moebox.model.batch import DecodeBatch
+    ids = torch.randint(2, 320, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []
     for device in ("cpu", "cuda"):
         model, _ = load_model(tiny_ckpt, device=device, kv_cache_dtype="model", experts="w2",
                               store_dir=tmp_path / "store", progress=False)
         assert model.layers[0].ffn.layer_planes is not None
-        cache, rows = model.new_cache(1, 64, device), []
-        for start, n in [(0, 20)] + [(20 + i, 1) for i in range(10)]:
-            batch = FlatBatch.build([(0, start, ids[start:start + n])], device)
+        cache = model.new_cache(2, 64, device)
+        rows = [model.forward(FlatBatch.build([(1, 0, ids[:20])], device), cache).logits.float().cpu()]
+        for pos in range(20, 60):
+            if device == "cpu":
+                batch = FlatBatch.build([(1, pos, [ids[pos]])], device)
+            else:
+                batch = DecodeBatch(*(torch.tensor([v], device=device) for v in (ids[pos], pos, 1)))
             rows.append(model.forward(batch, cache).logits.float().cpu())
         outs.append(torch.cat(rows))
     diff = (outs[0] - outs[1]).abs().max().item()
     print(f"\nw2 decode kernels in the model: max |logit diff| vs CPU {diff:.2e}")
     assert diff <= 1e-3
+
+
+def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path):
+    """Captured decode steps (padded to the captured batch size, spare rows on the scratch slot) give the logits
+    of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does."""
+    from moebox.model.batch import DecodeBatch
+    from moebox.runtime.graphs import DecodeGraphs
+    model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",
+                          store_dir=tmp_path / "store", progress=False)
+    vocab = model.cfg.vocab_size
+    seqs = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23, 31)]
+    caches = [model.new_cache(5, 128, "cuda") for _ in range(2)]
+    for cache in caches:
+        model.forward(FlatBatch.build([(s, 0, ids[:10]) for s, ids in enumerate(seqs)], "cuda"), cache)
+    graphs = DecodeGraphs(model, caches[0], scratch_slot=4, batch_sizes=[1, 4])
+    for pos in range(10, 23):
+        live = [s for s in range(3) if pos < len(seqs[s])] if pos % 5 else [1]     # 3 rows in 4, or 1 in 1
+        tokens, positions = [seqs[s][pos] for s in live], [pos] * len(live)
+        got = graphs.run(tokens, positions, live).float().cpu()
+        want = model.forward(DecodeBatch(*(torch.tensor(v, device="cuda") for v in (tokens, positions, live))),
+                             caches[1]).logits.float().cpu()
+        assert (got - want).abs().max().item() <= 1e-5, pos
+
+
+def test_engine_with_graphs_generates_the_eager_tokens(tiny_ckpt, tmp_path):
+    from moebox import LLM, SamplingParams
+    prompts = [[1, 5, 9, 200, 17], [1, 42] * 10, [1, 7]]
+    outs = []
+    for graphs in (True, False):
+        llm = LLM(tiny_ckpt, device="cuda", dtype="float32", kv_cache_dtype="model", experts="w2",
+                  store_dir=tmp_path / "store", max_num_seqs=4, cuda_graphs=graphs, progress=False)
+        assert (llm.engine.graphs is not None) == graphs
+        res = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        outs.append([r.outputs[0].token_ids for r in res])
+    assert outs[0] == outs[1]

@@ -4,6 +4,9 @@ Per token t the keys are the window (positions t-W+1..t) plus, in compressed lay
 windows w < (t+1)//ratio (HCA: all of them; CSA: the indexer's top-k). Keys are also the values.
 Cache I/O happens per segment: a segment reads what earlier steps stored for its slot, attends over that
 plus its own new rows, then stores its newest rows (see model/cache.py for why rollback is free).
+A `DecodeBatch` (one token per sequence, indices on the device) takes a shape-static path instead that a CUDA
+graph can capture: whole rings and entry tables are read and masked by position, the entry of a window that
+does not close at this token goes to the table's scratch row, and the indexer's top-k runs over the table.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from typing import Callable
 import torch
 
 from moebox.config import CSA, SLIDING, ModelConfig
-from moebox.model.batch import FlatBatch, Segment
-from moebox.model.cache import LayerCache, ring_read, ring_write
+from moebox.model.batch import DecodeBatch, FlatBatch, Segment
+from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
+from moebox.model.decode_attention import attend, compress_step, index_select, window_step
 from moebox.ops.attention import sink_attention
 from moebox.ops.compress import pool_windows
-from moebox.ops.linear import Weight, dense_weight, linear
+from moebox.ops.linear import Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, rope_inv_freq
@@ -35,9 +39,9 @@ class Compressor:
         self.ratio, self.overlap, self.inv_freq, self.eps, self.finish = ratio, overlap, inv_freq, eps, finish
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw per-token projections in fp32; the gate gets ape only when pooled."""
-        xf = x.float()
-        return linear(xf, self.wkv), linear(xf, self.wgate)
+        """Raw per-token projections as fp32 (computed in x's dtype: on the GPU a bf16 matmul with fp32
+        accumulation, never a widened copy of the weight); the gate gets ape only when pooled."""
+        return linear(x, self.wkv).float(), linear(x, self.wgate).float()
 
     def entries_for(self, seg: Segment, kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor | None,
                     ring_gate: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +65,8 @@ class Compressor:
                 kv_rows, gate_rows = kv, gate
             pos = torch.arange(first, seg.end + 1, device=dev)
             gate_rows = gate_rows + self.ape.float()[pos % r]
-            pooled = pool_windows(kv_rows, gate_rows, first, windows, r, self.overlap)
-            e = rms_norm(pooled, self.norm, self.eps)
-            e = apply_rope(e, windows * r, self.inv_freq)
-            if self.finish is not None:
-                e = self.finish(e)
-            entries = e.to(out_dtype)
+            entries = self._finish(pool_windows(kv_rows, gate_rows, first, windows, r, self.overlap), windows,
+                                   out_dtype)
         else:
             entries = kv.new_zeros((0, kv.shape[-1] // (2 if self.overlap else 1)), dtype=out_dtype)
         if ring_kv is not None:
@@ -74,6 +74,12 @@ class Compressor:
             ring_write(ring_kv, seg.slot, positions, kv)
             ring_write(ring_gate, seg.slot, positions, gate)
         return windows, entries
+
+    def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        e = apply_rope(rms_norm(pooled, self.norm, self.eps), windows * self.ratio, self.inv_freq)
+        if self.finish is not None:
+            e = self.finish(e)
+        return e.to(out_dtype)
 
 
 def _visible_entries(store: torch.Tensor | None, slot: int, windows: torch.Tensor, new: torch.Tensor,
@@ -94,7 +100,7 @@ class Attention:
         self.wkv, self.kv_norm = g("wkv.weight"), g("kv_norm.weight")
         self.wo_a, self.wo_b, self.sink = g("wo_a.weight"), g("wo_b.weight"), g("attn_sink")
         theta, yarn = cfg.layer_rope(kind)
-        self.inv_freq = rope_inv_freq(cfg.rope_head_dim, theta, yarn)
+        self.inv_freq = rope_inv_freq(cfg.rope_head_dim, theta, yarn).to(self.sink.device)
         self.compressor = self.indexer = None
         eps = cfg.rms_norm_eps
         if kind != SLIDING:
@@ -108,7 +114,7 @@ class Attention:
                                       inv_freq=self.inv_freq, eps=eps, finish=round_index_vectors if qat else None)
 
     # ------------------------------------------------------------------ projections over the whole batch
-    def __call__(self, x: torch.Tensor, batch: FlatBatch, cache: LayerCache | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg, pos = self.cfg, batch.positions
         n = x.shape[0]
         qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
@@ -127,15 +133,17 @@ class Attention:
             wi = linear(x, self.index_weights_proj).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
             idx = (qi, wi, self.indexer.project(x))
 
-        out = torch.empty_like(q)
-        for seg in batch.segments:
-            out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache)
+        if isinstance(batch, DecodeBatch):
+            assert cache is not None, "a DecodeBatch needs a KVCache"
+            out = self._decode(batch, q, kv, comp, idx, cache)
+        else:
+            out = torch.empty_like(q)
+            for seg in batch.segments:
+                out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache)
 
         out = apply_rope(out, pos, self.inv_freq, inverse=True)
-        groups = out.reshape(n, cfg.o_groups, -1)                                    # [N, g, nh/g * d]
-        wo_a = dense_weight(self.wo_a, x.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.einsum("ngd,grd->ngr", groups, wo_a).flatten(1)
-        return linear(o, self.wo_b)
+        o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
+        return linear(o.flatten(1), self.wo_b)
 
     # ------------------------------------------------------------------ one sequence's keys and attention
     def _segment(self, seg: Segment, q: torch.Tensor, kv: torch.Tensor, comp, idx,
@@ -143,12 +151,13 @@ class Attention:
         cfg, W, dev = self.cfg, self.cfg.sliding_window, q.device
         t = torch.arange(seg.start, seg.end + 1, device=dev)
         old_from = max(0, seg.start - W + 1)
+        new = kv if cache is None else as_stored(cache.window, kv)    # as a decode step reads it back
         if cache is not None and old_from < seg.start:
             old = torch.arange(old_from, seg.start, device=dev)
-            keys = torch.cat([ring_read(cache.window, seg.slot, old).to(kv.dtype), kv])
+            keys = torch.cat([ring_read(cache.window, seg.slot, old).to(kv.dtype), new])
             kpos = torch.cat([old, t])
         else:
-            keys, kpos = kv, t
+            keys, kpos = new, t
         visible = (kpos[None, :] <= t[:, None]) & (kpos[None, :] > t[:, None] - W)
         if cache is not None:
             ring_write(cache.window, seg.slot, t, kv)
@@ -180,3 +189,27 @@ class Attention:
         if k:
             chosen.scatter_(1, scores.topk(k, dim=-1).indices, True)
         return chosen
+
+    # ------------------------------------------------------------------ shape-static decode (DecodeBatch)
+    def _decode(self, batch: DecodeBatch, q: torch.Tensor, kv: torch.Tensor, comp, idx,
+                cache: LayerCache) -> torch.Tensor:
+        cfg, pos, slot = self.cfg, batch.positions, batch.slots
+        keys, visible = window_step(kv, pos, slot, cache.window, cfg.sliding_window)
+        scale = cfg.head_dim ** -0.5
+        if self.compressor is None:
+            return attend(q, keys, visible, self.sink, scale)
+        valid = self._compress(self.compressor, comp, batch, cache.raw_kv, cache.raw_gate, cache.entries,
+                               "kv" if self.qat else None)
+        if self.indexer is None:
+            rows = torch.arange(valid.shape[1], device=pos.device)[None, :]
+        else:
+            qi, wi, icomp = idx
+            self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate, cache.index_keys,
+                           "index" if self.qat else None)
+            rows, valid = index_select(qi, wi, cache.index_keys, slot, valid, cfg.index_topk)
+        return attend(q, keys, visible, self.sink, scale, cache.entries, slot, rows, valid)
+
+    def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,
+                  ring_gate, entries, finish: str | None) -> torch.Tensor:
+        return compress_step(proj[0], proj[1], batch.positions, batch.slots, ring_kv, ring_gate, entries, c.ape,
+                             c.norm, c.inv_freq, c.ratio, c.overlap, c.eps, finish, self.cfg.nope_head_dim)

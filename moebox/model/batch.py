@@ -56,3 +56,21 @@ class FlatBatch:
         """Flat index of each segment's last token (where next-token logits come from)."""
         return torch.tensor([s.offset + s.length - 1 for s in self.segments], dtype=torch.long,
                             device=self.tokens.device)
+
+
+@dataclass
+class DecodeBatch:
+    """One new token for each of B sequences, every index a device tensor: the shape-static step that a CUDA
+    graph can capture (no Python value depends on positions or slots). Slot `slots[b]` holds positions
+    0..positions[b]-1 already; padding rows of a captured graph point at a scratch slot."""
+
+    tokens: torch.Tensor      # [B] long
+    positions: torch.Tensor   # [B] long
+    slots: torch.Tensor       # [B] long
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    def last_rows(self) -> torch.Tensor:
+        return torch.arange(self.tokens.numel(), device=self.tokens.device)

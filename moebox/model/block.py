@@ -6,7 +6,7 @@ import torch
 
 from moebox.config import ModelConfig
 from moebox.model.attention import Attention, WeightSource
-from moebox.model.batch import FlatBatch
+from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
 from moebox.ops.mhc import hc_post, hc_pre
@@ -24,7 +24,7 @@ class Block:
         self.hc_attn = (g("hc_attn_fn"), g("hc_attn_base"), g("hc_attn_scale"))
         self.hc_ffn = (g("hc_ffn_fn"), g("hc_ffn_base"), g("hc_ffn_scale"))
 
-    def __call__(self, X: torch.Tensor, batch: FlatBatch, cache: LayerCache | None) -> torch.Tensor:
+    def __call__(self, X: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg = self.cfg
         kw = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         x, post, comb = hc_pre(X, *self.hc_attn, **kw)

@@ -41,6 +41,10 @@ class _QuantRows:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
 
+    def round_trip(self, values: torch.Tensor) -> torch.Tensor:
+        """values as a store-then-read gives them back (float32)."""
+        return self._decode(*self._encode(values))
+
 
 class FP8Rows(_QuantRows):
     def __init__(self, slots: int, n: int, dim: int, nope: int, device: torch.device | str) -> None:
@@ -50,16 +54,21 @@ class FP8Rows(_QuantRows):
         self.exps = torch.zeros(slots, n, -(-nope // FP8_BLOCK), dtype=torch.int8, device=device)
         self.rope = torch.zeros(slots, n, dim - nope, dtype=torch.bfloat16, device=device)
 
-    def __setitem__(self, key, values: torch.Tensor) -> None:
+    def _encode(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         blocks = _blocks(values[..., :self.nope_dim].float(), FP8_BLOCK)
         e = pow2_exponent(blocks.abs().amax(-1, keepdim=True), FP8_MAX)
-        self.nope[key] = (blocks / torch.exp2(e)).flatten(-2)[..., :self.nope_dim].to(torch.float8_e4m3fn)
-        self.exps[key] = e.squeeze(-1).to(torch.int8)
-        self.rope[key] = values[..., self.nope_dim:].to(torch.bfloat16)
+        nope = (blocks / torch.exp2(e)).flatten(-2)[..., :self.nope_dim].to(torch.float8_e4m3fn)
+        return nope, e.squeeze(-1).to(torch.int8), values[..., self.nope_dim:].to(torch.bfloat16)
+
+    def _decode(self, nope: torch.Tensor, exps: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        nope = _blocks(nope.float(), FP8_BLOCK) * torch.exp2(exps.float()).unsqueeze(-1)
+        return torch.cat([nope.flatten(-2)[..., :self.nope_dim], rope.float()], dim=-1)
+
+    def __setitem__(self, key, values: torch.Tensor) -> None:
+        self.nope[key], self.exps[key], self.rope[key] = self._encode(values)
 
     def __getitem__(self, key) -> torch.Tensor:
-        nope = _blocks(self.nope[key].float(), FP8_BLOCK) * torch.exp2(self.exps[key].float()).unsqueeze(-1)
-        return torch.cat([nope.flatten(-2)[..., :self.nope_dim], self.rope[key].float()], dim=-1)
+        return self._decode(self.nope[key], self.exps[key], self.rope[key])
 
 
 class FP4Rows(_QuantRows):
@@ -68,17 +77,21 @@ class FP4Rows(_QuantRows):
         self.codes = torch.zeros(slots, n, dim // 2, dtype=torch.uint8, device=device)
         self.exps = torch.zeros(slots, n, dim // FP4_BLOCK, dtype=torch.int8, device=device)
 
-    def __setitem__(self, key, values: torch.Tensor) -> None:
+    def _encode(self, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         blocks = _blocks(values.float(), FP4_BLOCK)
         e = pow2_exponent(blocks.abs().amax(-1, keepdim=True), FP4_MAX)
         codes = fp4_codes_from_values(blocks / torch.exp2(e)).flatten(-2)
-        self.codes[key] = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        self.exps[key] = e.squeeze(-1).to(torch.int8)
+        return codes[..., 0::2] | (codes[..., 1::2] << 4), e.squeeze(-1).to(torch.int8)
+
+    def _decode(self, c: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+        vals = fp4_values_from_codes(torch.stack((c & 0xF, c >> 4), dim=-1).flatten(-2))
+        return (_blocks(vals, FP4_BLOCK) * torch.exp2(exps.float()).unsqueeze(-1)).flatten(-2)
+
+    def __setitem__(self, key, values: torch.Tensor) -> None:
+        self.codes[key], self.exps[key] = self._encode(values)
 
     def __getitem__(self, key) -> torch.Tensor:
-        c = self.codes[key]
-        vals = fp4_values_from_codes(torch.stack((c & 0xF, c >> 4), dim=-1).flatten(-2))
-        return (_blocks(vals, FP4_BLOCK) * torch.exp2(self.exps[key].float()).unsqueeze(-1)).flatten(-2)
+        return self._decode(self.codes[key], self.exps[key])
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -112,7 +125,7 @@ def layer_shapes(cfg: ModelConfig, max_len: int, spec_slack: int, with_mtp: bool
     for kind, ratio in zip(kinds, ratios):
         shapes = {"window": ((cfg.sliding_window + spec_slack, d), "kv")}
         if kind != SLIDING:
-            n_entries = -(-max_len // ratio)
+            n_entries = -(-max_len // ratio) + 1        # + a scratch row for decode steps that close no window
             overlap = kind == CSA
             ring = (2 if overlap else 1) * ratio + spec_slack
             width = (2 if overlap else 1) * d
@@ -174,6 +187,12 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes if isinstance(t, _QuantRows) else t.numel() * t.element_size()
                    for lc in self.layers for t in vars(lc).values() if t is not None)
+
+
+def as_stored(store: torch.Tensor | _QuantRows, values: torch.Tensor) -> torch.Tensor:
+    """values rounded as `store` keeps them, in values' dtype: what reading them back would give."""
+    rounded = store.round_trip(values) if isinstance(store, _QuantRows) else values.to(store.dtype)
+    return rounded.to(values.dtype)
 
 
 def ring_read(ring: torch.Tensor, slot: int, positions: torch.Tensor) -> torch.Tensor:

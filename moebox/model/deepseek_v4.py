@@ -13,10 +13,10 @@ import torch
 
 from moebox.config import SLIDING, ModelConfig
 from moebox.model.attention import WeightSource
-from moebox.model.batch import FlatBatch
+from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.block import Block
 from moebox.model.cache import KVCache, LayerCache
-from moebox.ops.linear import linear
+from moebox.ops.linear import linear, logits_linear
 from moebox.ops.mhc import hc_head
 from moebox.ops.norm import rms_norm
 
@@ -35,7 +35,7 @@ class OutputHead:
 
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
         y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
-        return linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps).float(), self.head)
+        return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)
 
 
 class MTPBlock:
@@ -50,7 +50,7 @@ class MTPBlock:
         self.block = Block(cfg, get, prefix, kind=SLIDING, ratio=0, is_hash=False, qat=qat)
         self.out = OutputHead(cfg, (g("hc_head_fn"), g("hc_head_base"), g("hc_head_scale")), g("norm.weight"), head)
 
-    def __call__(self, hidden: torch.Tensor, batch: FlatBatch, cache: LayerCache | None,
+    def __call__(self, hidden: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None,
                  logits_rows: torch.Tensor | None = None) -> ForwardOutput:
         """hidden [N, hc, H] at positions batch.positions; batch.tokens are the tokens one step ahead."""
         eps = self.cfg.rms_norm_eps
@@ -75,12 +75,12 @@ class DeepseekV4:
         self.mtp = [MTPBlock(cfg, get, f"mtp.{j}.", qat, self.embed, head)
                     for j in range(cfg.num_mtp_layers if load_mtp else 0)]
 
-    def forward(self, batch: FlatBatch, cache: KVCache | None = None,
+    def forward(self, batch: FlatBatch | DecodeBatch, cache: KVCache | None = None,
                 logits_rows: torch.Tensor | None = None) -> ForwardOutput:
         """Run a flat batch. Without a cache every segment must start at position 0 and nothing is kept.
         Logits are computed for `logits_rows` (default: each segment's last token)."""
-        if cache is None and any(s.start for s in batch.segments):
-            raise ValueError("a segment starting after position 0 needs a KVCache")
+        if cache is None and (isinstance(batch, DecodeBatch) or any(s.start for s in batch.segments)):
+            raise ValueError("a DecodeBatch, or a segment starting after position 0, needs a KVCache")
         X = self.embed[batch.tokens].to(self.dtype)
         X = X.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
@@ -88,8 +88,8 @@ class DeepseekV4:
         rows = batch.last_rows() if logits_rows is None else logits_rows
         return ForwardOutput(self.out(X[rows]), X)
 
-    def mtp_forward(self, hidden: torch.Tensor, batch: FlatBatch, cache: KVCache | None = None, depth: int = 0,
-                    logits_rows: torch.Tensor | None = None) -> ForwardOutput:
+    def mtp_forward(self, hidden: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: KVCache | None = None,
+                    depth: int = 0, logits_rows: torch.Tensor | None = None) -> ForwardOutput:
         layer_cache = cache.layers[self.cfg.num_layers + depth] if cache is not None else None
         return self.mtp[depth](hidden, batch, layer_cache, logits_rows)
 

@@ -5,6 +5,8 @@ experts on CUDA, which takes the fused Triton kernels over the plane store's lay
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from moebox.config import ModelConfig
@@ -25,6 +27,7 @@ class MoE:
         self.shared = tuple(get(f"{prefix}shared_experts.{w}.weight") for w in ("w1", "w3", "w2")) \
             if cfg.n_shared_experts else None
         self._get, self._prefix = get, prefix
+        self.on_route: Callable[[torch.Tensor], None] | None = None   # observer of the chosen experts [N, k]
         try:                                    # a plane-store layer buffer [experts, slot] when experts are w2
             self.layer_planes = get(prefix + "experts.planes")
         except KeyError:
@@ -35,16 +38,23 @@ class MoE:
         return self._get(p + "w1.weight"), self._get(p + "w3.weight"), self._get(p + "w2.weight")
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x, tokens)
+        if self.shared is not None:
+            out = out + self.shared_expert(x)
+        return out
+
+    def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         idx, w = route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, tokens=tokens,
                        top_k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
                        norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+        if self.on_route is not None:
+            self.on_route(idx)
         if self.layer_planes is not None and x.is_cuda and x.shape[0] <= DECODE_TOKENS:
             from moebox.ops.triton.w2_moe import layer_views, w2_moe_decode_split
             views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
-            out = w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit)
-        else:
-            out = routed_experts(x, idx, w, self.expert, cfg.swiglu_limit)
-        if self.shared is not None:
-            out = out + mlp(x, *self.shared, limit=None)   # the reference does not clamp the shared expert
-        return out
+            return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit)
+        return routed_experts(x, idx, w, self.expert, cfg.swiglu_limit)
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x, *self.shared, limit=None)   # the reference does not clamp the shared expert

@@ -9,6 +9,24 @@ from __future__ import annotations
 
 import torch
 
+from moebox.ops.fuse import fused
+
+
+@fused
+def pool(kv: torch.Tensor, gate: torch.Tensor, has_prev: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """kv, gate [nw, span, C] fp32: each window's rows (gate already includes ape); with overlap the span is
+    the r rows of window w-1 then the r rows of window w, C = 2d; `has_prev` [nw] says window w-1 exists.
+    -> [nw, d]."""
+    d = kv.shape[-1] // 2 if overlap else kv.shape[-1]
+    r = kv.shape[1] // 2 if overlap else kv.shape[1]
+    vals, gates = kv[:, -r:, -d:], gate[:, -r:, -d:]                                       # Cb (or all)
+    if overlap:
+        prev = has_prev[:, None, None]
+        pv = torch.where(prev, kv[:, :r, :d], torch.zeros_like(vals))
+        pg = torch.where(prev, gate[:, :r, :d], torch.full_like(gates, float("-inf")))
+        vals, gates = torch.cat([pv, vals], dim=1), torch.cat([pg, gates], dim=1)
+    return (vals * torch.softmax(gates, dim=1)).sum(dim=1)
+
 
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor, first_pos: int, windows: torch.Tensor, ratio: int,
                  overlap: bool) -> torch.Tensor:
@@ -16,14 +34,7 @@ def pool_windows(kv: torch.Tensor, gate: torch.Tensor, first_pos: int, windows: 
 
     C = 2d with overlap (halves [Ca | Cb]), else C = d. Rows a window needs must all be present.
     """
-    d = kv.shape[-1] // 2 if overlap else kv.shape[-1]
-    cur = windows[:, None] * ratio + torch.arange(ratio, device=kv.device)[None, :] - first_pos   # [nw, r]
-    vals, gates = kv[cur][..., -d:], gate[cur][..., -d:]                                    # Cb (or all) [nw, r, d]
+    rows = windows[:, None] * ratio + torch.arange(ratio, device=kv.device)[None, :] - first_pos   # [nw, r]
     if overlap:
-        prev = cur - ratio
-        has_prev = (windows > 0)[:, None, None]
-        pv = kv[prev.clamp(min=0)][..., :d]
-        pg = torch.where(has_prev, gate[prev.clamp(min=0)][..., :d], torch.full_like(pv, float("-inf")))
-        pv = torch.where(has_prev, pv, torch.zeros_like(pv))
-        vals, gates = torch.cat([pv, vals], dim=1), torch.cat([pg, gates], dim=1)
-    return (vals * torch.softmax(gates, dim=1)).sum(dim=1)
+        rows = torch.cat([(rows - ratio).clamp(min=0), rows], dim=1)
+    return pool(kv[rows], gate[rows], windows > 0, overlap)

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moebox.ops.fuse import fused
 from moebox.ops.linear import Weight, linear
 
 
@@ -20,6 +21,7 @@ def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     raise ValueError(f"unknown scoring_func {scoring_func!r}")
 
 
+@fused
 def route(x: torch.Tensor, gate_weight: Weight, *, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
           tokens: torch.Tensor, top_k: int, scoring_func: str, norm_topk_prob: bool,
           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +39,7 @@ def route(x: torch.Tensor, gate_weight: Weight, *, bias: torch.Tensor | None, ti
     return idx, w * scaling
 
 
+@fused
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit); `limit=None` for the unclamped shared expert."""
     if limit:

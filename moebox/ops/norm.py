@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from moebox.ops.fuse import fused
 
+
+@fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dim; `weight=None` is the unweighted variant (q heads, mHC input)."""
     xf = x.float()

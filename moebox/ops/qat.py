@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from moebox.ops.fuse import fused
 from moebox.weights.formats import FP4_MAX, FP8_MAX, fp4_codes_from_values, fp4_values_from_codes, pow2_exponent
 
 
@@ -47,9 +48,11 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (y.reshape(x.shape) / math.sqrt(n)).to(x.dtype)
 
 
+@fused
 def round_kv_nope(kv: torch.Tensor, nope_dim: int) -> torch.Tensor:
     return torch.cat([fp8_round(kv[..., :nope_dim]), kv[..., nope_dim:]], dim=-1)
 
 
+@fused
 def round_index_vectors(x: torch.Tensor) -> torch.Tensor:
     return fp4_round(hadamard(x))

@@ -11,6 +11,7 @@ import math
 import torch
 
 from moebox.config import YarnScaling
+from moebox.ops.fuse import fused
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -33,6 +34,7 @@ def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torc
     return interp * ramp + extrap * (1 - ramp)
 
 
+@fused
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing 2*len(inv_freq) channels of x [..., D] at `positions` (broadcast over x's
     leading dims: positions has x.shape[0] entries). `inverse` applies the conjugate rotation."""

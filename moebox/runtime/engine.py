@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from moebox.errors import MoeboxError
 from moebox.model.batch import FlatBatch
 from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.runtime import graphs
 from moebox.runtime.metrics import EngineMetrics
 from moebox.runtime.sampler import SamplingParams, sample_token
 
@@ -90,7 +91,7 @@ class Request:
 class Engine:
     def __init__(self, model: DeepseekV4, tokenizer: Tokenizer | None, *, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int = 2048, max_waiting: int = 256, device: torch.device | str = "cpu",
-                 seed: int = 0, metrics: EngineMetrics | None = None) -> None:
+                 seed: int = 0, metrics: EngineMetrics | None = None, cuda_graphs: bool = True) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise MoeboxError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                               f"--max-num-seqs ({max_num_seqs}): every running sequence decodes one token per step")
@@ -98,7 +99,14 @@ class Engine:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
         self.device = torch.device(device)
-        self.cache = model.new_cache(max_num_seqs, max_model_len, self.device)
+        why_eager = graphs.supported(model, self.device) if cuda_graphs else "cuda_graphs=False"
+        # one more slot than sequences when decode steps replay graphs: the padding rows' scratch slot
+        self.cache = model.new_cache(max_num_seqs + (why_eager is None), max_model_len, self.device)
+        self.graphs: graphs.DecodeGraphs | None = None
+        if why_eager is None:
+            self.graphs = graphs.DecodeGraphs(model, self.cache, max_num_seqs, graphs.batch_sizes_for(max_num_seqs))
+        elif self.device.type == "cuda":
+            log.info("decode steps run eagerly: %s", why_eager)
         self.eos_ids = set(model.cfg.eos_token_ids)
         self.metrics = metrics or EngineMetrics()
         self._generator = torch.Generator().manual_seed(seed)
@@ -204,6 +212,7 @@ class Engine:
                 parts.append((req.slot, req.length - 1, [req.out_ids[-1]]))
                 samplers.append(req)
                 budget -= 1
+        decode_only = len(parts) == len(batch_reqs)
         for req in batch_reqs:
             if not req.prefill_done and budget > 0:
                 n = min(len(req.prompt_ids) - req.num_prefilled, budget)
@@ -212,9 +221,12 @@ class Engine:
                 budget -= n
                 self.metrics.prompt_tokens.inc(n)
                 samplers.append(req if req.prefill_done else None)
-        batch = FlatBatch.build(parts, self.device)
-        rows = batch.last_rows()
-        logits = self.model.forward(batch, self.cache, logits_rows=rows).logits
+        if self.graphs is not None and decode_only:
+            slots, positions, tokens = zip(*((slot, pos, ids[0]) for slot, pos, ids in parts))
+            logits = self.graphs.run(tokens, positions, slots)
+        else:
+            batch = FlatBatch.build(parts, self.device)
+            logits = self.model.forward(batch, self.cache, logits_rows=batch.last_rows()).logits
         now = time.perf_counter()
         for req, row in zip(samplers, logits):
             if req is None or req.cancelled:

@@ -70,7 +70,7 @@ class LLM:
                  seed: int = 0, load_mtp: bool = False, progress: bool = True, memory: int | str | None = None,
                  experts: str = "native", store_dir: str | Path | None = None,
                  max_num_batched_tokens: int = 2048, max_waiting: int = 1 << 30,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, cuda_graphs: bool = True) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoeboxError("device='cuda' but no CUDA device is available; use device='cpu'")
@@ -94,7 +94,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                              max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                             device=self.device, seed=seed, metrics=metrics)
+                             device=self.device, seed=seed, metrics=metrics, cuda_graphs=cuda_graphs)
         self.cache = self.engine.cache
 
     # ------------------------------------------------------------------ tokens

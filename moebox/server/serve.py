@@ -63,6 +63,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="plane store directory for --experts w2")
     p.add_argument("--memory", default=None, help="memory budget for the plan, e.g. 121.7GiB (default: available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly instead of replaying CUDA graphs (--device cuda)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
                       experts=args.experts, store_dir=args.store, memory=args.memory, seed=args.seed,
-                      metrics=state.metrics, progress=False)
+                      metrics=state.metrics, progress=False, cuda_graphs=not args.enforce_eager)
             if llm.tokenizer is None:
                 raise MoeboxError(f"{model}: no tokenizer.json; the server needs the model's tokenizer")
             threading.Thread(target=llm.engine.run, name="moebox-engine", daemon=True).start()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -82,8 +84,14 @@ def fp4_codes_from_values(x: torch.Tensor) -> torch.Tensor:
     return code | (sign.to(torch.uint8) << 3)
 
 
+@functools.lru_cache(maxsize=None)
+def _fp4_grid(device: torch.device) -> torch.Tensor:
+    """FP4_GRID on `device`, copied once: a CUDA graph capture may not copy from the host."""
+    return FP4_GRID.to(device)
+
+
 def fp4_values_from_codes(codes: torch.Tensor) -> torch.Tensor:
-    mag = FP4_GRID.to(codes.device)[(codes & 7).long()]
+    mag = _fp4_grid(codes.device)[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 
 

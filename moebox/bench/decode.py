@@ -1,0 +1,353 @@
+"""`moebox bench decode|prefill`: step time of the model against the device's own bandwidth and matmul rate.
+
+Decode at batch 1-16 is bounded by bytes: each step must read the dense weights once (FP8 + the bf16 head)
+and the planes of every distinct routed expert its tokens picked, plus the cache rows attention reads. The
+bench measures the device copy bandwidth in the same process, counts those bytes for each measured step
+(experts from the routing the step actually made), and reports the step time against that floor. Prefill is
+bounded by matmul work: it reports TFLOP/s against a measured bf16 matmul rate.
+
+The model is the synthetic full-size one from `moebox.bench.synthetic` (or the tiny/small preset shapes);
+the cache starts empty and every sequence sits at position `context`, which makes a step read the same
+bytes as after a real prefill of that length (the values differ, the amount does not).
+A per-component breakdown replays each part of one real step (attention, routed experts, shared experts,
+head) from its own CUDA graph; the full step minus their sum is everything else (mHC, norms, embedding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from moebox.config import ModelConfig, parse_config
+from moebox.model.batch import DecodeBatch, FlatBatch
+from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.model.cache import cache_bytes_per_slot
+from moebox.runtime.graphs import DecodeGraphs
+from moebox.weights.synth import PRESETS, preset_config
+
+log = logging.getLogger("moebox")
+GB = 1e9
+
+
+# ----------------------------------------------------------------------------------------- device rates
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Seconds per call (CUDA events on a GPU, wall clock on the CPU), after one warm-up call."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes/s of a device-to-device copy, read + written bytes over time."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _timed(lambda: dst.copy_(src), device, 20)
+
+
+def matmul_rate(device: torch.device, n: int = 8192) -> float:
+    """FLOP/s of a bf16 n x n x n matmul."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    return 2 * n ** 3 / _timed(lambda: a @ b, device, 10)
+
+
+# ----------------------------------------------------------------------------------------- bytes a step reads
+def _nbytes(w: object) -> int:
+    return w.nbytes if hasattr(w, "nbytes") else 0
+
+
+def dense_bytes(model: DeepseekV4, weights: dict[str, object], batch: int) -> int:
+    """Non-expert weight bytes one step reads: everything but the embedding (batch rows of it) and the experts."""
+    total = 0
+    for name, w in weights.items():
+        if ".ffn.experts." in name:
+            continue
+        total += batch * model.cfg.hidden_size * 2 if name == "embed.weight" else _nbytes(w)
+    return total
+
+
+def expert_bytes(cfg: ModelConfig) -> int:
+    """Plane bytes of one routed expert (3 matrices at 2.25 bits/weight)."""
+    n = cfg.hidden_size * cfg.moe_intermediate_size
+    return 3 * (n // 4 + n // 32)
+
+
+def distinct_experts(model: DeepseekV4, batch: DecodeBatch, cache) -> int:
+    """Distinct (layer, expert) pairs one eager decode step routes to."""
+    hit: list[int] = []
+    for layer in model.layers:
+        layer.ffn.on_route = lambda idx: hit.append(int(idx.unique().numel()))
+    try:
+        model.forward(batch, cache)
+    finally:
+        for layer in model.layers:
+            layer.ffn.on_route = None
+    return sum(hit)
+
+
+def cache_read_bytes(cfg: ModelConfig, context: int, dtype: torch.dtype) -> int:
+    """Cache bytes a decode step at `context` must read per sequence: its windows and compressed entries (the
+    whole table in HCA layers; the indexer keys plus top-k entries in CSA layers). A bound by the cache's size
+    at that length is simple and close: the per-slot cache holds about exactly these rows."""
+    return cache_bytes_per_slot(cfg, context, dtype, with_mtp=False)
+
+
+# ----------------------------------------------------------------------------------------- decode
+@dataclass
+class DecodeRow:
+    context: int
+    batch: int
+    step_s: float
+    weight_bytes: int
+    cache_bytes: int
+    copy_bw: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.batch / self.step_s
+
+    @property
+    def floor_s(self) -> float:
+        return (self.weight_bytes + self.cache_bytes) / self.copy_bw
+
+    @property
+    def fraction(self) -> float:
+        return self.floor_s / self.step_s
+
+    def cells(self) -> list[str]:
+        return [f"{self.context}", f"{self.batch}", f"{self.weight_bytes / GB:.2f}", f"{self.cache_bytes / GB:.3f}",
+                f"{self.step_s * 1e3:.2f}", f"{self.tok_s:.1f}", f"{self.floor_s * 1e3:.2f}", f"{self.fraction:.0%}"]
+
+
+DECODE_HEADER = ["context", "batch", "weights GB", "cache GB", "step ms", "tok/s", "floor ms", "of floor"]
+
+
+def _decode_batch(cfg: ModelConfig, batch: int, context: int, device: torch.device, seed: int) -> DecodeBatch:
+    g = torch.Generator().manual_seed(seed)
+    return DecodeBatch(torch.randint(0, cfg.vocab_size, (batch,), generator=g).to(device),
+                       torch.full((batch,), context, dtype=torch.long, device=device),
+                       torch.arange(batch, device=device))
+
+
+def bench_decode(model: DeepseekV4, weights: dict[str, object], batches: Sequence[int], contexts: Sequence[int],
+                 copy_bw: float, steps: int = 20, use_graphs: bool = True) -> list[DecodeRow]:
+    cfg, device = model.cfg, model.embed.device
+    rows = []
+    for context in contexts:
+        cache = model.new_cache(max(batches) + 1, context + 1, device)   # + the graphs' scratch slot
+        graphs = DecodeGraphs(model, cache, max(batches), batches) if use_graphs else None
+        for b in batches:
+            batch = _decode_batch(cfg, b, context, device, seed=b)
+            if graphs is not None:
+                ids, pos, slots = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
+                step = _timed(lambda: graphs.run(ids, pos, slots), device, steps)
+            else:
+                step = _timed(lambda: model.forward(batch, cache), device, steps)
+            moved = dense_bytes(model, weights, b) + distinct_experts(model, batch, cache) * expert_bytes(cfg)
+            rows.append(DecodeRow(context, b, step, moved, b * cache_read_bytes(cfg, context, model.dtype), copy_bw))
+            log.info("decode context %d batch %d: %.2f ms", context, b, step * 1e3)
+        del graphs, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- breakdown
+class _Recorder:
+    """Calls a model part and keeps the arguments of every call, to replay them later."""
+
+    def __init__(self, part: Callable) -> None:
+        self.part, self.calls = part, []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return self.part(*args)
+
+
+def _graph_seconds(calls: list[tuple[Callable, tuple]], device: torch.device, steps: int) -> float:
+    """Seconds per replay of one CUDA graph that makes all `calls` in order."""
+    def replay() -> None:
+        for part, args in calls:
+            part(*args)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        replay()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replay()
+    return _timed(graph.replay, device, steps)
+
+
+def breakdown(model: DeepseekV4, batch: DecodeBatch, cache, steps: int = 10) -> dict[str, float]:
+    """Seconds per step of each component, each replayed alone from its own CUDA graph with the arguments one
+    real step gave it: the attention of all layers (projections, cache, core), the routed experts (routing and
+    the w2 kernels), the shared experts, the head. What the full step takes beyond their sum is the rest
+    (mHC, norms, embedding) plus the joins between them."""
+    parts = {"attention": [(layer, "attn") for layer in model.layers],
+             "routed experts": [(layer.ffn, "routed") for layer in model.layers],
+             "shared experts": [(layer.ffn, "shared_expert") for layer in model.layers if layer.ffn.shared],
+             "head": [(model, "out")]}
+    recorders = {name: [(obj, attr, _Recorder(getattr(obj, attr))) for obj, attr in items]
+                 for name, items in parts.items()}
+    installed = [(obj, attr, attr in vars(obj), rec) for items in recorders.values() for obj, attr, rec in items]
+    for obj, attr, _, rec in installed:
+        setattr(obj, attr, rec)
+    try:
+        model.forward(batch, cache)
+    finally:
+        for obj, attr, own, rec in installed:      # an instance attribute comes back; a method override goes
+            if own:
+                setattr(obj, attr, rec.part)
+            else:
+                delattr(obj, attr)
+    device = model.embed.device
+    return {name: _graph_seconds([(rec.part, args) for _, _, rec in items for args in rec.calls], device, steps)
+            for name, items in recorders.items()}
+
+
+# ----------------------------------------------------------------------------------------- prefill
+@dataclass
+class PrefillRow:
+    tokens: int
+    seconds: float
+    flops: float
+    matmul_rate: float
+
+    def cells(self) -> list[str]:
+        return [f"{self.tokens}", f"{self.seconds:.2f}", f"{self.tokens / self.seconds:.0f}",
+                f"{self.flops / self.seconds / 1e12:.1f}", f"{self.matmul_rate / 1e12:.0f}",
+                f"{self.flops / self.seconds / self.matmul_rate:.1%}"]
+
+
+PREFILL_HEADER = ["prompt", "seconds", "tok/s", "TFLOP/s", "bf16 matmul TFLOP/s", "of matmul"]
+
+
+def active_matmul_params(cfg: ModelConfig, weights: dict[str, object]) -> int:
+    """Weights one token multiplies: every 2-D non-expert weight but the embedding, plus k routed experts.
+    The head counts too (the bench computes logits for the last token only; its share is small)."""
+    n = 0
+    for name, w in weights.items():
+        if ".ffn.experts." in name or name == "embed.weight" or name == "head.weight":
+            continue
+        shape = getattr(w, "shape", ())
+        if len(shape) == 2:
+            n += shape[0] * shape[1]
+    return n + cfg.num_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def bench_prefill(model: DeepseekV4, weights: dict[str, object], prompts: Sequence[int], chunk: int,
+                  rate: float) -> list[PrefillRow]:
+    cfg, device = model.cfg, model.embed.device
+    rows = []
+    for n in prompts:
+        cache = model.new_cache(1, n, device)
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+        def run() -> None:
+            for start in range(0, n, chunk):
+                model.forward(FlatBatch.build([(0, start, ids[start:start + chunk])], device), cache)
+
+        seconds = _timed(run, device, 1)
+        rows.append(PrefillRow(n, seconds, 2.0 * active_matmul_params(cfg, weights) * n, rate))
+        log.info("prefill %d tokens: %.2f s", n, seconds)
+        del cache
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=("decode", "prefill"), help="which regime to measure")
+    p.add_argument("--preset", default="flash", choices=PRESETS, help="model shapes (flash: real V4-Flash)")
+    p.add_argument("--layers", type=int, default=None, help="main layers (default: the preset's, 43 for flash)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="decode batch sizes")
+    p.add_argument("--context", type=int, nargs="+", default=[4096, 65536], help="decode context lengths")
+    p.add_argument("--prompt", type=int, nargs="+", default=[2048, 16384], help="prefill prompt lengths")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max-num-batched-tokens)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per row")
+    p.add_argument("--enforce-eager", action="store_true", help="time eager steps instead of CUDA graphs")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-component step")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moebox.bench.synthetic import synthetic_weights
+    from moebox.errors import MoeboxError
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MoeboxError("--device cuda but no CUDA device is available; use --device cpu (tiny/small presets)")
+    cfg = parse_config(preset_config(args.preset, args.layers))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    weights = synthetic_weights(cfg, device)
+    model = DeepseekV4(cfg, weights.__getitem__, qat=False, dtype=dtype, load_mtp=False)
+    print(f"model: {args.preset}, {cfg.num_layers} layers, {sum(_nbytes(w) for w in weights.values()) / GB:.2f} GB "
+          f"of weights on {device} (built in {time.perf_counter() - t0:.0f} s)")
+    with torch.inference_mode():
+        if args.what == "decode":
+            _report_decode(args, model, weights, cfg, device)
+        else:
+            rate = matmul_rate(device) if device.type == "cuda" else 1e11
+            rows = bench_prefill(model, weights, args.prompt, args.chunk, rate)
+            print(table(PREFILL_HEADER, [r.cells() for r in rows]))
+    return 0
+
+
+def _report_decode(args: argparse.Namespace, model: DeepseekV4, weights: dict[str, object], cfg: ModelConfig,
+                   device: torch.device) -> None:
+    from moebox.runtime.plan import plan_for
+    on_gpu = device.type == "cuda"
+    bw = copy_bandwidth(device) if on_gpu else 10 * GB
+    print(f"copy bandwidth: {bw / 1e12:.2f} TB/s" + ("" if on_gpu else " (assumed on CPU)"))
+    rows = bench_decode(model, weights, args.batch, args.context, bw, args.steps, on_gpu and not args.enforce_eager)
+    print(table(DECODE_HEADER, [r.cells() for r in rows]))
+    if not on_gpu:
+        return
+    if not args.no_breakdown:
+        context = args.context[0]
+        for b in sorted({min(args.batch), max(args.batch)}):
+            cache = model.new_cache(b, context + 1, device)
+            parts = breakdown(model, _decode_batch(cfg, b, context, device, b), cache)
+            del cache
+            step = next(r.step_s for r in rows if r.context == context and r.batch == b)
+            parts["everything else"] = step - sum(parts.values())
+            cells = [[k, f"{v * 1e3:.2f}", f"{v / step:.0%}"] for k, v in parts.items()]
+            print(f"\nbreakdown, context {context}, batch {b} (each part replayed alone from its own graph; "
+                  f"full graph step {step * 1e3:.2f} ms):")
+            print(table(["component", "ms", "of graph step"], cells))
+    peak = torch.cuda.max_memory_allocated(device)
+    plan = plan_for(cfg, peak, max(args.context) + 1, max(args.batch) + 1, max(args.batch), experts="w2",
+                    kv_dtype=model.dtype, with_mtp=False)
+    planned = plan.weight_bytes + plan.kv_bytes + plan.workspace_bytes
+    print(f"\npeak GPU memory {peak / 2**30:.2f} GiB; the memory plan for this run (context {max(args.context)}, "
+          f"{max(args.batch) + 1} slots, no margin) {planned / 2**30:.2f} GiB: {peak / planned - 1:+.1%}")
+
+
+if __name__ == "__main__":          # `python -m moebox.bench.decode decode ...` (no server dependencies needed)
+    import sys
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s moebox %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="moebox bench")
+    configure(parser)
+    sys.exit(run(parser.parse_args()))

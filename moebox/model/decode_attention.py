@@ -1,0 +1,84 @@
+"""The shape-static decode step of attention (`DecodeBatch`: one token per sequence), as free functions of
+tensors.
+
+Free functions, not methods, so that `fused` compiles each once for all layers (a method would be guarded on
+its layer): per CSA layer about 90 small torch ops become a handful of fused kernels. Every shape is static:
+whole window rings and entry tables are read and masked by position (a CUDA graph can replay the step for any
+positions), the entry pooled at a token that closes no window goes to the table's scratch last row, and the
+indexer's top-k runs over the whole table. Caches in the FP8 layout (`model/cache.py` row objects) take the
+same functions eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebox.ops.attention import sink_attention
+from moebox.ops.compress import pool
+from moebox.ops.fuse import fused
+from moebox.ops.norm import rms_norm
+from moebox.ops.qat import round_index_vectors, round_kv_nope
+from moebox.ops.rope import apply_rope
+
+
+@fused
+def window_step(kv: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, ring: torch.Tensor,
+                window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store each sequence's new K=V row in its window ring, then read the ring: keys [B, R, d] and which of
+    them are inside the window [B, R]."""
+    size = ring.shape[1]
+    ring[slot, pos % size] = kv.to(ring.dtype)
+    keys = ring[slot].to(kv.dtype)
+    # ring row i holds the newest position <= pos that is i mod size (negative: never written)
+    kpos = pos[:, None] - (pos[:, None] - torch.arange(size, device=pos.device)[None, :]) % size
+    return keys, (kpos > pos[:, None] - window) & (kpos >= 0)
+
+
+@fused
+def compress_step(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor,
+                  ring_kv: torch.Tensor, ring_gate: torch.Tensor, entries: torch.Tensor, ape: torch.Tensor,
+                  norm: torch.Tensor, inv_freq: torch.Tensor, ratio: int, overlap: bool, eps: float,
+                  finish: str | None, nope_dim: int) -> torch.Tensor:
+    """One compressor (main or indexer) at one token per sequence: store the raw rows kv/gate [B, C] fp32, pool
+    the window that ends at this token, store the entry (row w, or the scratch row when no window closes), and
+    return which entries are visible now [B, E]. `finish`: the QAT rounding of the entry ("kv", "index")."""
+    size = ring_kv.shape[1]
+    ring_kv[slot, pos % size] = kv
+    ring_gate[slot, pos % size] = gate
+    w = (pos + 1) // ratio - 1
+    span = (2 if overlap else 1) * ratio
+    p = (w[:, None] + 1) * ratio - span + torch.arange(span, device=pos.device)[None, :]      # [B, span]
+    rows = slot[:, None], p % size
+    e = pool(ring_kv[rows], ring_gate[rows] + ape.float()[p % ratio], w > 0, overlap)
+    e = apply_rope(rms_norm(e, norm, eps), w * ratio, inv_freq)
+    if finish == "kv":
+        e = round_kv_nope(e, nope_dim)
+    elif finish == "index":
+        e = round_index_vectors(e)
+    n = entries.shape[1]
+    entries[slot, torch.where((pos + 1) % ratio == 0, w, n - 1)] = e.to(entries.dtype)
+    return torch.arange(n, device=pos.device)[None, :] < ((pos + 1) // ratio)[:, None]
+
+
+@fused
+def index_select(qi: torch.Tensor, wi: torch.Tensor, index_keys: torch.Tensor, slot: torch.Tensor,
+                 valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer over each sequence's whole key table: (entry rows [B, k], valid [B, k])."""
+    keys = index_keys[slot]                                                                 # [B, E, dI]
+    scores = torch.relu(torch.einsum("bhd,bkd->bhk", qi.float(), keys.float()))
+    scores = (scores * wi.unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+    top = scores.topk(min(topk, scores.shape[1]), dim=-1).indices
+    return top, valid.gather(1, top)
+
+
+@fused
+def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sink: torch.Tensor, scale: float,
+           entries: torch.Tensor | None = None, slot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+           valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Sink attention of q [B, nh, d] over the window keys plus, in compressed layers, the entry rows `rows`
+    [B, k] (or [1, E]: all) of each sequence's table, masked by `valid`."""
+    if entries is not None:
+        ent = entries[slot[:, None], rows.expand(slot.shape[0], -1)]
+        keys = torch.cat([keys, ent.to(keys.dtype)], dim=1)
+        visible = torch.cat([visible, valid], dim=1)
+    return sink_attention(q, keys, visible, sink, scale)

@@ -1,0 +1,92 @@
+"""Decode steps replayed from CUDA graphs: one capture per batch size, the whole model forward in each.
+
+At batch 1-16 a decode step launches thousands of small kernels; eagerly, Python and launch latency cost more
+than the weight reads themselves. A graph replays them all with one CPU call. The captured forward is the
+shape-static `DecodeBatch` path, so only the input buffers change between replays: a call with n sequences
+runs the smallest captured size >= n, and the spare rows point at a scratch cache slot that no sequence owns.
+
+Needs every kernel of the step to be capturable (no host sync): the Triton FP8 and w2 kernels are; the torch
+reference for routed experts (native FP4 experts) is not, so `supported` says no for such a model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from moebox.model.batch import DecodeBatch
+from moebox.model.cache import KVCache
+from moebox.model.deepseek_v4 import DeepseekV4
+
+log = logging.getLogger("moebox")
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def batch_sizes_for(max_num_seqs: int) -> list[int]:
+    """The captured sizes: powers of two below max_num_seqs, and max_num_seqs itself."""
+    return sorted({b for b in BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+
+
+def supported(model: DeepseekV4, device: torch.device) -> str | None:
+    """None when the decode step of `model` can be captured on `device`, else the reason it cannot."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if any(layer.ffn.layer_planes is None for layer in model.layers):
+        return "routed experts are not w2 planes (the native-expert path syncs with the host)"
+    return None
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    batch: DecodeBatch
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, model: DeepseekV4, cache: KVCache, scratch_slot: int, batch_sizes: Sequence[int]) -> None:
+        """Capture the decode step for each size; `scratch_slot` is a cache slot that no sequence uses."""
+        self.scratch_slot = scratch_slot
+        self._graphs: dict[int, _Captured] = {}
+        device = model.embed.device
+        pool = None
+        for b in sorted(batch_sizes, reverse=True):         # largest first: the smaller ones reuse its pool
+            batch = DecodeBatch(torch.zeros(b, dtype=torch.long, device=device),
+                                torch.zeros(b, dtype=torch.long, device=device),
+                                torch.full((b,), scratch_slot, dtype=torch.long, device=device))
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):                   # compile kernels, settle the allocator
+                for _ in range(2):
+                    model.forward(batch, cache)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = model.forward(batch, cache).logits
+            pool = graph.pool()
+            self._graphs[b] = _Captured(graph, batch, logits)
+            log.info("captured the decode step for batch %d", b)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def run(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """Logits [n, vocab] of one decode token for each of n sequences (a view into the graph's output,
+        valid until the next replay)."""
+        n = len(tokens)
+        size = next((b for b in self.batch_sizes if b >= n), None)
+        if size is None:
+            raise ValueError(f"{n} sequences exceed the largest captured batch {self.batch_sizes[-1]}")
+        cap = self._graphs[size]
+        pad = size - n
+        host = torch.tensor([list(tokens) + [0] * pad, list(positions) + [0] * pad,
+                             list(slots) + [self.scratch_slot] * pad], dtype=torch.long)
+        for dst, src in zip((cap.batch.tokens, cap.batch.positions, cap.batch.slots), host):
+            dst.copy_(src, non_blocking=True)
+        cap.graph.replay()
+        return cap.logits[:n]

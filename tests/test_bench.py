@@ -1,0 +1,54 @@
+"""`moebox bench` through the real CLI on the tiny preset (CPU): the command runs, measures every requested
+row and counts the bytes a step reads from the model's own weights and routing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from moebox.bench.decode import dense_bytes, distinct_experts, expert_bytes, _decode_batch
+from moebox.bench.synthetic import synthetic_weights
+from moebox.config import parse_config
+from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.weights.synth import preset_config
+
+
+def _run(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "moebox.cli", "bench", *args, "--preset", "tiny", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| context") and not line.startswith("| prompt")]
+
+
+def test_bench_decode_cli_reports_each_row():
+    rows = _table_rows(_run("decode", "--batch", "1", "3", "--context", "40", "90", "--steps", "2"))
+    assert [(r[0], r[1]) for r in rows] == [("40", "1"), ("40", "3"), ("90", "1"), ("90", "3")]
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[5]) > 0          # step ms, tok/s
+
+
+def test_bench_prefill_cli_reports_each_prompt():
+    rows = _table_rows(_run("prefill", "--prompt", "50", "130", "--chunk", "64"))
+    assert [r[0] for r in rows] == ["50", "130"]
+
+
+def test_step_bytes_follow_the_routing():
+    """Weight bytes of a step: the dense weights once plus one plane set per distinct (layer, expert) the step
+    routed to; more sequences can only add experts."""
+    cfg = parse_config(preset_config("tiny"))
+    weights = synthetic_weights(cfg, "cpu", progress=False)
+    model = DeepseekV4(cfg, weights.__getitem__, qat=False, dtype=torch.float32, load_mtp=False)
+    cache = model.new_cache(8, 64, "cpu")
+    hits = [distinct_experts(model, _decode_batch(cfg, b, 30, "cpu", seed=b), cache) for b in (1, 8)]
+    k = cfg.num_experts_per_tok
+    assert hits[0] == cfg.num_layers * k                            # one token: k distinct experts per layer
+    assert hits[0] < hits[1] <= cfg.num_layers * min(8 * k, cfg.n_routed_experts)
+    assert expert_bytes(cfg) * 8 == 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2.25
+    assert dense_bytes(model, weights, 2) - dense_bytes(model, weights, 1) == cfg.hidden_size * 2
