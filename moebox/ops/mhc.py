@@ -16,8 +16,9 @@ from moebox.ops.norm import rms_norm
 
 
 def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | None:
-    """The fused-kernel module for these CUDA tensors, or None (CPU, no triton, or a case it does not take)."""
-    if not X.is_cuda:
+    """The fused-kernel module for these CUDA tensors, or None (CPU, no triton, a case it does not take, or
+    autograd recording: the kernels have no backward, training takes the torch code)."""
+    if not X.is_cuda or (torch.is_grad_enabled() and X.requires_grad):
         return None
     from moebox.ops.triton.runtime import HAVE_TRITON
     if not HAVE_TRITON:

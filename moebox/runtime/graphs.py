@@ -48,6 +48,7 @@ class _Captured:
 
 
 class DecodeGraphs:
+    @torch.no_grad()
     def __init__(self, model: DeepseekV4, cache: KVCache, scratch_slot: int, batch_sizes: Sequence[int]) -> None:
         """Capture the decode step for each size; `scratch_slot` is a cache slot that no sequence uses."""
         self.scratch_slot = scratch_slot

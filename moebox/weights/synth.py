@@ -97,11 +97,11 @@ def preset_config(preset: str, layers: int | None = None) -> dict[str, Any]:
     }
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def tensor_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
 
 
-def _values(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
+def initial_values(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
     """Random values for one logical tensor, at a scale that keeps activations O(1)."""
     name, shape = spec.name, spec.shape
 
@@ -144,8 +144,8 @@ def _random_fp4(spec: TensorSpec, gen: torch.Generator) -> dict[str, torch.Tenso
 def _stored(spec: TensorSpec, cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The on-disk tensors (weight, and scale if quantized) of one spec."""
     if spec.kind == "fp4":
-        return _random_fp4(spec, _generator(seed, spec.name))
-    w = _values(spec, cfg, _generator(seed, spec.name))
+        return _random_fp4(spec, tensor_generator(seed, spec.name))
+    w = initial_values(spec, cfg, tensor_generator(seed, spec.name))
     if spec.kind == "fp8":
         q, s = quant_fp8_block(w, spec.block)
         return {spec.name: q, spec.scale_name: s}

@@ -63,9 +63,19 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     vocab = {tok: i for i, (tok, _) in enumerate(SPECIAL_TOKENS)}
     for sym in _byte_symbols():
         vocab[sym] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    return register_special_tokens(byte_level(Tokenizer(models.BPE(vocab=vocab, merges=[]))))
+
+
+def byte_level(tok: Tokenizer) -> Tokenizer:
+    """DeepSeek-style byte-level pre-tokenizer and decoder (any UTF-8 text round-trips)."""
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def register_special_tokens(tok: Tokenizer) -> Tokenizer:
+    """Mark SPECIAL_TOKENS (already in the vocab at ids 0..13) as added tokens, so text never splits them;
+    the special ones are dropped by skip_special_tokens, think tags and DSML are kept."""
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, s in SPECIAL_TOKENS if s])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, s in SPECIAL_TOKENS if not s])
     return tok

@@ -1,0 +1,60 @@
+"""The trainable DeepSeek-V4: the inference model class over float parameters, and its training losses.
+
+Training runs the same `DeepseekV4` code that serves (flat batches without a cache), so what is trained is what
+is served: the weights are float `nn.Parameter`s under their official names, initialised like the synthetic
+checkpoints (`moebox.weights.synth.initial_values`: activations O(1) through every layer), and exported later
+in the official FP8/FP4 layout. Not learned: the hash-routing table (`tid2eid`, fixed at init as in DeepSeek's
+design) and the routing bias (DeepSeek adjusts it by load, not by gradient; it stays at its initial value).
+The MTP block gets the next-next-token loss: from the main model's final residual at t and token t+1 it predicts
+token t+2. The lightning indexer gets no gradient from these losses (its top-k is a selection); DeepSeek trains
+it with a KL loss towards the attention scores, which is not built yet.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moebox.config import ModelConfig
+from moebox.model.batch import FlatBatch
+from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.weights.schema import official_schema
+from moebox.weights.synth import initial_values, tensor_generator
+
+FROZEN = ("ffn.gate.tid2eid", "ffn.gate.bias")
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the official schema (MTP included) in fp32; learned ones as Parameters."""
+    params: dict[str, torch.Tensor] = {}
+    for name, spec in official_schema(cfg).items():
+        value = initial_values(spec, cfg, tensor_generator(seed, name)).to(device)
+        learned = value.is_floating_point() and not name.endswith(FROZEN)
+        params[name] = torch.nn.Parameter(value) if learned else value
+    return params
+
+
+def trainable_model(cfg: ModelConfig, params: dict[str, torch.Tensor],
+                    dtype: torch.dtype = torch.float32) -> DeepseekV4:
+    return DeepseekV4(cfg, params.__getitem__, qat=False, dtype=dtype, load_mtp=True)
+
+
+def losses(model: DeepseekV4, sequences: Sequence[Sequence[int]], device: torch.device | str = "cpu"
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-token loss, MTP next-next-token loss), mean cross-entropy over all predicted positions of the
+    sequences (each one a segment of one flat batch, from position 0)."""
+    batch = FlatBatch.build([(i, 0, list(ids)) for i, ids in enumerate(sequences)], device)
+    rows = torch.arange(batch.num_tokens, device=batch.tokens.device)
+    out = model.forward(batch, None, logits_rows=rows)
+    keep = torch.cat([torch.arange(s.offset, s.offset + s.length - 1) for s in batch.segments]).to(rows.device)
+    main = F.cross_entropy(out.logits[keep], batch.tokens[keep + 1])
+    # MTP: position t of each sequence sees hidden[t] and token t+1, and is scored on token t+2
+    mtp_parts = [(i, 0, list(ids[1:-1])) for i, ids in enumerate(sequences) if len(ids) >= 3]
+    mtp_batch = FlatBatch.build(mtp_parts, device)
+    src = torch.cat([torch.arange(s.offset, s.offset + len(ids) - 2) for s, ids in zip(batch.segments, sequences)
+                     if len(ids) >= 3]).to(rows.device)
+    mtp = model.mtp_forward(out.hidden[src], mtp_batch, None,
+                            logits_rows=torch.arange(mtp_batch.num_tokens, device=rows.device))
+    return main, F.cross_entropy(mtp.logits, batch.tokens[src + 2])
