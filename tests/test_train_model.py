@@ -38,3 +38,32 @@ def test_a_few_adamw_steps_fit_a_fixed_batch():
                  f"layers.{csa}.attn.compressor.wkv.weight", f"layers.{csa}.attn.compressor.wgate.weight",
                  "mtp.0.e_proj.weight", "mtp.0.attn.wkv.weight", "mtp.0.ffn.shared_experts.w2.weight"):
         assert part in touched, part
+
+
+def test_export_loads_as_an_official_checkpoint(tmp_path):
+    """The exported checkpoint passes the checkpoint validator and, loaded by the serving loader (FP8/FP4
+    dequantized by the reference ops), gives the logits of the trainable model over the same quantized values."""
+    from moebox.model.batch import FlatBatch
+    from moebox.runtime.loader import load_model
+    from moebox.train.export import dequantized, export_checkpoint
+    from moebox.weights.checkpoint import Checkpoint
+    from moebox.weights.schema import official_schema
+    from moebox.weights.tokenizer import build_tokenizer
+
+    raw = preset_config("tiny")
+    cfg = parse_config(raw)
+    params = init_params(cfg, seed=3)
+    out = export_checkpoint(tmp_path / "ckpt", raw, params, build_tokenizer(cfg.vocab_size), shard_mb=0.25,
+                            progress=False)
+    Checkpoint(out).validate()
+    served, _ = load_model(out, kv_cache_dtype="model", progress=False)
+    schema = official_schema(cfg)
+    rounded = {n: dequantized(schema[n], v) for n, v in params.items()}
+    reference = trainable_model(cfg, rounded)
+    ids = torch.randint(2, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(4)).tolist()
+    batch = FlatBatch.build([(0, 0, ids)])
+    with torch.no_grad():
+        got = served.forward(batch, None, logits_rows=torch.arange(50)).logits
+        want = reference.forward(batch, None, logits_rows=torch.arange(50)).logits
+    assert (got - want).abs().max().item() <= 1e-4
+    assert len(list(out.glob("model-*.safetensors"))) > 1

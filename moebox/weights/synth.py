@@ -15,10 +15,11 @@ import json
 import math
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from moebox.config import ModelConfig, parse_config
@@ -177,31 +178,29 @@ def plan_shards(cfg: ModelConfig, shard_bytes: int) -> list[list[TensorSpec]]:
     return shards
 
 
-def write_synthetic(out_dir: str | Path, preset: str, seed: int = 0, layers: int | None = None,
-                    shard_size_mb: float | None = None, progress: bool = True) -> Path:
-    """Write a synthetic official-layout checkpoint (config, sharded weights, index, tokenizer) to `out_dir`."""
+def write_checkpoint(out_dir: str | Path, raw_cfg: dict[str, Any], stored: Callable[[TensorSpec], dict],
+                     tokenizer: Tokenizer, shard_bytes: int, desc: str, progress: bool = True) -> Path:
+    """Write an official-layout checkpoint: config.json, generation_config.json, tokenizer, shards of the
+    on-disk tensors `stored(spec)` gives for each spec of the schema (weight, and scale if quantized), index."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise MoeboxError(f"{out}: directory is not empty; choose a new output directory")
-    raw_cfg = preset_config(preset, layers)
-    cfg = parse_config(raw_cfg, source=f"preset {preset}")
-    tok = build_tokenizer(cfg.vocab_size)
+    cfg = parse_config(raw_cfg, source=desc)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw_cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    save_tokenizer(out, tok)
+    save_tokenizer(out, tokenizer)
 
-    shard_mb = shard_size_mb if shard_size_mb is not None else _DEFAULT_SHARD_MB[preset]
-    shards = plan_shards(cfg, int(shard_mb * 2**20))
+    shards = plan_shards(cfg, shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
-    bar = tqdm(shards, desc=f"synth {preset}", unit="shard", disable=not progress or len(shards) == 1)
+    bar = tqdm(shards, desc=desc, unit="shard", disable=not progress or len(shards) == 1)
     for k, specs in enumerate(bar):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for spec in specs:
-            tensors.update(_stored(spec, cfg, seed))
+            tensors.update(stored(spec))
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = fname
@@ -210,3 +209,13 @@ def write_synthetic(out_dir: str | Path, preset: str, seed: int = 0, layers: int
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def write_synthetic(out_dir: str | Path, preset: str, seed: int = 0, layers: int | None = None,
+                    shard_size_mb: float | None = None, progress: bool = True) -> Path:
+    """Write a synthetic official-layout checkpoint (config, sharded weights, index, tokenizer) to `out_dir`."""
+    raw_cfg = preset_config(preset, layers)
+    cfg = parse_config(raw_cfg, source=f"preset {preset}")
+    shard_mb = shard_size_mb if shard_size_mb is not None else _DEFAULT_SHARD_MB[preset]
+    return write_checkpoint(out_dir, raw_cfg, lambda spec: _stored(spec, cfg, seed), build_tokenizer(cfg.vocab_size),
+                            int(shard_mb * 2**20), f"synth {preset}", progress)
