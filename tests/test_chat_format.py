@@ -484,3 +484,22 @@ def test_input_is_not_modified():
     before = copy.deepcopy(td)
     encode_messages(td["messages"], tools=td["tools"], allow_final_assistant=True)
     assert td == before
+
+
+def test_request_tools_render_in_the_clients_key_order():
+    """The server validates tools but renders them as sent: DeepSeek's encoder dumps tools as received, so a
+    pydantic round trip (fields in model order) would change the prompt."""
+    import pydantic
+
+    from moebox.server.protocol import ChatCompletionRequest
+    function = {"parameters": {"type": "object", "properties": {"q": {"type": "string"}}}, "name": "find",
+                "description": "look something up"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"function": function, "type": "function"}]}
+    req = ChatCompletionRequest.model_validate(body)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert encode_messages(msgs, tools=req.tools) == encode_messages(msgs, tools=body["tools"])
+    reordered = [{"type": "function", "function": {k: function[k] for k in ("name", "description", "parameters")}}]
+    assert encode_messages(msgs, tools=reordered) != encode_messages(msgs, tools=body["tools"])
+    with pytest.raises(pydantic.ValidationError):
+        ChatCompletionRequest.model_validate({**body, "tools": [{"type": "function", "function": {"name": ""}}]})

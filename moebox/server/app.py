@@ -135,8 +135,7 @@ def create_app(state: ServerState) -> FastAPI:
         tool_choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
         if tool_choice not in ("none", "auto") and not body.tools:
             raise APIError(400, f"tool_choice {tool_choice!r} needs `tools`", param="tool_choice")
-        tools = [t.model_dump(exclude_unset=True) for t in body.tools] if body.tools and tool_choice != "none" \
-            else None
+        tools = body.tools if body.tools and tool_choice != "none" else None
         if isinstance(tool_choice, dict):
             name = (tool_choice.get("function") or {}).get("name")
             if not tools or name not in {t["function"]["name"] for t in tools}:

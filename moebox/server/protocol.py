@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Lenient(BaseModel):
@@ -61,7 +61,7 @@ class ToolDef(_Lenient):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[ToolDef] | None = None
+    tools: list[dict[str, Any]] | None = None     # checked against ToolDef, kept as sent (see _check_tools)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
@@ -70,6 +70,15 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     thinking: dict[str, Any] | bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Validated as ToolDef, but returned as sent: the prompt renders tools with the client's key order
+        (DeepSeek's encoder dumps them as received), which a pydantic round trip would reorder."""
+        for tool in tools or []:
+            ToolDef.model_validate(tool)
+        return tools
 
 
 class CompletionRequest(_Sampling):
