@@ -189,6 +189,34 @@ register("bench", Command("decode/prefill speed of a full-size synthetic model a
                           _configure_bench, _run_bench))
 
 
+
+def _configure_train(p: argparse.ArgumentParser) -> None:
+    from moebox.train.trainer import TrainSettings
+    from moebox.weights.synth import PRESETS
+    p.epilog = "Run the same command again to resume a stopped run (the settings must match)."
+    p.add_argument("--run-dir", required=True, help="directory for the corpus, tokenizer, state and exported model")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    defaults = TrainSettings()
+    for field, value in vars(defaults).items():
+        flag = "--" + field.replace("_", "-")
+        if field == "preset":
+            p.add_argument(flag, default=value, choices=PRESETS, help="model shapes (demo: the shipped model)")
+        else:
+            p.add_argument(flag, type=type(value), default=value, help=f"default {value}")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from moebox.train.trainer import TrainSettings, train
+    settings = TrainSettings(**{k: getattr(args, k) for k in vars(TrainSettings())})
+    out = train(args.run_dir, settings, device=args.device)
+    print(f"trained model: {out}")
+    return 0
+
+
+register("train", Command("train a small DeepSeek-V4 (with MTP) on the built-in corpus and export it",
+                          _configure_train, _run_train))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moebox", description="DeepSeek-V4 MoE inference server")
     sub = parser.add_subparsers(dest="command", required=True)

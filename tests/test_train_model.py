@@ -67,3 +67,12 @@ def test_export_loads_as_an_official_checkpoint(tmp_path):
         want = reference.forward(batch, None, logits_rows=torch.arange(50)).logits
     assert (got - want).abs().max().item() <= 1e-4
     assert len(list(out.glob("model-*.safetensors"))) > 1
+
+
+def test_the_demo_preset_ships_within_40_mb():
+    """Issue G's size budget for the shipped model, in the official layout (MTP included)."""
+    from moebox.weights.schema import official_schema
+    cfg = parse_config(preset_config("demo"))
+    assert sum(spec.stored_nbytes() for spec in official_schema(cfg).values()) <= 40e6
+    assert {"sliding", "csa", "hca"} <= set(cfg.attn_types) and any(cfg.hash_layers)
+    assert cfg.n_routed_experts >= 16 and cfg.n_shared_experts and cfg.num_mtp_layers == 1

@@ -29,8 +29,8 @@ from moebox.weights.formats import FP4_BLOCK, exponent_to_e8m0, quant_fp8_block
 from moebox.weights.schema import TensorSpec, schema_units
 from moebox.weights.tokenizer import build_tokenizer, save_tokenizer
 
-PRESETS = ("tiny", "small", "flash")
-_DEFAULT_SHARD_MB = {"tiny": 0.25, "small": 64.0, "flash": 2048.0}
+PRESETS = ("tiny", "demo", "small", "flash")
+_DEFAULT_SHARD_MB = {"tiny": 0.25, "demo": 16.0, "small": 64.0, "flash": 2048.0}
 _QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
           "weight_block_size": [128, 128]}
 
@@ -44,6 +44,13 @@ def _preset(preset: str) -> tuple[dict[str, Any], list[int], int]:
                     index_head_dim=32, index_topk=3, max_position_embeddings=1024,
                     rope_scaling=dict(type="yarn", factor=16.0, original_max_position_embeddings=64,
                                       beta_fast=32, beta_slow=1)), [0, 4, 8, 4, 8, 0], 2
+    if preset == "demo":   # the shipped trained model (issue G): every V4 feature, <= 40 MB in the official layout
+        return dict(vocab_size=4096, hidden_size=512, num_attention_heads=8, head_dim=64, qk_rope_head_dim=16,
+                    q_lora_rank=256, o_groups=2, o_lora_rank=128, n_routed_experts=16, n_shared_experts=1,
+                    num_experts_per_tok=2, moe_intermediate_size=128, sliding_window=64, index_n_heads=4,
+                    index_head_dim=32, index_topk=16, max_position_embeddings=4096,
+                    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=1024,
+                                      beta_fast=32, beta_slow=1)), [0, 4, 16, 4, 16, 0], 1
     if preset == "small":  # a few hundred MB: CPU memory/throughput tests
         return dict(vocab_size=4096, hidden_size=1024, num_attention_heads=8, head_dim=128, qk_rope_head_dim=32,
                     q_lora_rank=256, o_groups=4, o_lora_rank=128, n_routed_experts=32, n_shared_experts=1,
