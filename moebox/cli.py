@@ -217,6 +217,29 @@ register("train", Command("train a small DeepSeek-V4 (with MTP) on the built-in 
                           _configure_train, _run_train))
 
 
+
+def _configure_eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (e.g. a `moebox train` run's model/)")
+    p.add_argument("--experts", nargs="+", default=["native", "w2"], choices=("native", "w2"),
+                   help="expert formats to compare")
+    p.add_argument("--store", default=None, help="plane store directory for w2 (default: in the cache)")
+    p.add_argument("--n-per-kind", type=int, default=50, help="held-out items per kind")
+    p.add_argument("--max-tokens", type=int, default=192, help="generation budget per chat item")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from moebox.train.evaluate import run_eval
+    print(run_eval(args.model, args.experts, args.n_per_kind, args.seed, args.device, args.store,
+                   max_tokens=args.max_tokens))
+    return 0
+
+
+register("eval", Command("held-out accuracy, tool-call validity and perplexity, native vs w2 experts",
+                         _configure_eval, _run_eval))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moebox", description="DeepSeek-V4 MoE inference server")
     sub = parser.add_subparsers(dest="command", required=True)
