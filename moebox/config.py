@@ -397,6 +397,11 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
+    return parse_config(read_raw_config(model_dir), source=str(Path(model_dir) / "config.json"))
+
+
+def read_raw_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json as a dict, or a ConfigError that names the file and what is wrong."""
     path = Path(model_dir) / "config.json"
     try:
         text = path.read_text()
@@ -410,4 +415,4 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    return parse_config(raw, source=str(path))
+    return raw

@@ -9,18 +9,22 @@ mismatched download can get wrong becomes a one-line `CheckpointError` naming th
 from __future__ import annotations
 
 import json
+import logging
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from moebox.config import ModelConfig, load_config
+from moebox.config import ModelConfig, parse_config, read_raw_config
 from moebox.errors import CheckpointError
+from moebox.weights.draft_head import MTP_TENSOR, inspect_draft_head
 from moebox.weights.formats import QuantTensor
 from moebox.weights.hf import HF_DOWN, HF_GATE_UP, hf_to_official_name
 from moebox.weights.schema import official_schema, scale_name, tensor_group
+
+log = logging.getLogger("moebox")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -83,13 +87,20 @@ class Checkpoint:
 
     def __init__(self, model_dir: str | Path) -> None:
         self.dir = Path(model_dir)
-        self.config: ModelConfig = load_config(self.dir)
+        raw_config = read_raw_config(self.dir)
+        self.config: ModelConfig = parse_config(raw_config, source=str(self.dir / "config.json"))
         self._entries: dict[str, _Entry] = {}
         self._file_end: dict[Path, int] = {}     # byte where each shard's tensor data should end
         self._verified: set[Path] = set()
         self._load_headers()
         raw = self._entries
         self.layout = "hf" if any(n.startswith("model.") or n == "lm_head.weight" for n in raw) else "official"
+        self.draft_head = inspect_draft_head(raw_config, raw)
+        if self.draft_head.kind == "dspark":     # serve the main model; the head is set aside, never half-read
+            log.warning("%s: %s; moebox runs MTP heads only, so the model is served without it", self.dir,
+                        self.draft_head.evidence)
+            self._entries = {n: e for n, e in raw.items() if not MTP_TENSOR.match(n)}
+            self.config = replace(self.config, num_mtp_layers=0)
         self._sources, self._unknown = self._map_sources()
 
     # ---------------------------------------------------------------- index
