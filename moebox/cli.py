@@ -81,6 +81,8 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
                    help="routed experts at checkpoint precision, or as 2-bit planes from --store")
     p.add_argument("--store", default=None, help="plane store directory for --experts w2 (default: in the cache)")
     p.add_argument("--memory", default=None, help="memory budget for the plan, e.g. 121.7GiB (default: available)")
+    from moebox.runtime.speculative import add_flags
+    add_flags(p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -92,8 +94,10 @@ def _run_generate(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.seed)
     except ValueError as e:
         raise MoeboxError(f"sampling flags: {e}") from None
+    from moebox.runtime.speculative import from_flags
     llm = LLM(model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, experts=args.experts,
-              store_dir=args.store, memory=args.memory)
+              store_dir=args.store, memory=args.memory,
+              speculative_config=from_flags(args.speculative_config, args.mtp))
     for out in llm.generate(args.prompt, params):
         print(f"--- {out.prompt!r} -> {len(out.token_ids)} tokens ({out.outputs[0].finish_reason})")
         print(out.text)

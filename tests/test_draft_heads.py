@@ -94,3 +94,17 @@ def test_a_head_of_another_model_is_named_with_both_shapes(tiny_ckpt, tmp_path):
 def test_bad_speculative_configs_say_what_is_wrong(text, match):
     with pytest.raises(MoeboxError, match=match):
         SpeculativeConfig.parse(text)
+
+
+def test_the_cli_says_it_in_one_line(tiny_copy):
+    import subprocess
+    import sys
+    ckpt = dspark(tiny_copy)
+    out = subprocess.run([sys.executable, "-m", "moebox.cli", "generate", str(ckpt), "--prompt", "hi", "--mtp", "2"],
+                         capture_output=True, text=True, timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("moebox: error:")]
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr
+    assert "DSpark" in lines[0] and "run without speculation" in lines[0]
+    ok = subprocess.run([sys.executable, "-m", "moebox.cli", "generate", str(ckpt), "--prompt", "hi",
+                         "--max-tokens", "3"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-1000:]                 # without speculation the model serves

@@ -24,9 +24,11 @@ from moebox.model.batch import FlatBatch
 from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.runtime import graphs
 from moebox.runtime.metrics import EngineMetrics
+from moebox.runtime.speculative import DraftWork, MTPDrafter
 from moebox.runtime.sampler import SamplingParams, sample_token
 
 log = logging.getLogger("moebox")
+LOG_EVERY_S = 10.0      # period of the speculative-decoding acceptance log line
 
 
 class QueueFull(MoeboxError):
@@ -78,6 +80,7 @@ class Request:
     last_token_time: float | None = None
     generator: torch.Generator | None = None
     pending_forced: deque[int] = field(default_factory=deque)
+    drafts: list[int] = field(default_factory=list)      # MTP drafts to verify at the next step
 
     @property
     def length(self) -> int:
@@ -91,7 +94,8 @@ class Request:
 class Engine:
     def __init__(self, model: DeepseekV4, tokenizer: Tokenizer | None, *, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int = 2048, max_waiting: int = 256, device: torch.device | str = "cpu",
-                 seed: int = 0, metrics: EngineMetrics | None = None, cuda_graphs: bool = True) -> None:
+                 seed: int = 0, metrics: EngineMetrics | None = None, cuda_graphs: bool = True,
+                 num_speculative_tokens: int = 0) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise MoeboxError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                               f"--max-num-seqs ({max_num_seqs}): every running sequence decodes one token per step")
@@ -99,9 +103,17 @@ class Engine:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens, self.max_waiting = max_num_batched_tokens, max_waiting
         self.device = torch.device(device)
+        if num_speculative_tokens and not model.mtp:
+            raise MoeboxError("speculative decoding needs the model's MTP head loaded (load_mtp)")
+        self.spec_k = num_speculative_tokens
         why_eager = graphs.supported(model, self.device) if cuda_graphs else "cuda_graphs=False"
+        if self.spec_k and why_eager is None:
+            why_eager = "speculative decoding verifies several tokens per sequence (not captured yet)"
         # one more slot than sequences when decode steps replay graphs: the padding rows' scratch slot
-        self.cache = model.new_cache(max_num_seqs + (why_eager is None), max_model_len, self.device)
+        self.cache = model.new_cache(max_num_seqs + (why_eager is None), max_model_len, self.device,
+                                     spec_slack=self.spec_k)
+        self.drafter = MTPDrafter(model, self.cache) if self.spec_k else None
+        self._spec_logged = time.perf_counter()
         self.graphs: graphs.DecodeGraphs | None = None
         if why_eager is None:
             self.graphs = graphs.DecodeGraphs(model, self.cache, max_num_seqs, graphs.batch_sizes_for(max_num_seqs))
@@ -206,37 +218,88 @@ class Engine:
         if not batch_reqs:
             return False
 
-        parts, samplers, budget = [], [], self.max_num_batched_tokens
+        parts, owners, decoding, budget = [], [], [], self.max_num_batched_tokens
         for req in batch_reqs:                     # decode first: running sequences never starve
             if req.prefill_done:
-                parts.append((req.slot, req.length - 1, [req.out_ids[-1]]))
-                samplers.append(req)
-                budget -= 1
-        decode_only = len(parts) == len(batch_reqs)
+                parts.append((req.slot, req.length - 1, [req.out_ids[-1]] + req.drafts))
+                owners.append(req)
+                decoding.append(True)
+                budget -= 1 + len(req.drafts)
+        decode_only = len(parts) == len(batch_reqs) and not any(req.drafts for req in batch_reqs)
         for req in batch_reqs:
             if not req.prefill_done and budget > 0:
                 n = min(len(req.prompt_ids) - req.num_prefilled, budget)
                 parts.append((req.slot, req.num_prefilled, req.prompt_ids[req.num_prefilled:req.num_prefilled + n]))
+                owners.append(req)
+                decoding.append(False)
                 req.num_prefilled += n
                 budget -= n
                 self.metrics.prompt_tokens.inc(n)
-                samplers.append(req if req.prefill_done else None)
         if self.graphs is not None and decode_only:
             slots, positions, tokens = zip(*((slot, pos, ids[0]) for slot, pos, ids in parts))
-            logits = self.graphs.run(tokens, positions, slots)
-        else:
-            batch = FlatBatch.build(parts, self.device)
-            logits = self.model.forward(batch, self.cache, logits_rows=batch.last_rows()).logits
-        now = time.perf_counter()
-        for req, row in zip(samplers, logits):
-            if req is None or req.cancelled:
-                continue
-            event = self._advance(req, row, now)
-            if event.finish_reason:
-                with self._lock:
-                    self._finish(req, event.finish_reason, notify=False)
-            req.on_event(event)
+            self._emit(owners, parts, decoding, self.graphs.run(tokens, positions, slots), None)
+            return True
+        batch = FlatBatch.build(parts, self.device)
+        # logits: every row of a decode part (its drafts are verified), the last row of a prefill chunk
+        rows = [s.offset + i for s, dec in zip(batch.segments, decoding)
+                for i in (range(s.length) if dec else [s.length - 1])]
+        out = self.model.forward(batch, self.cache, logits_rows=torch.tensor(rows, device=self.device))
+        self._emit(owners, parts, decoding, out.logits, out.hidden if self.drafter else None)
         return True
+
+    def _emit(self, owners: list[Request], parts: list[tuple[int, int, list[int]]], decoding: list[bool],
+              logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Turn one forward's logits into tokens and events: one sampled token per finished prefill, and per
+        decode part the sampled tokens up to the first draft the sampler disagrees with. With a drafter, then
+        write the verified rows into the MTP cache and draft for the next step."""
+        now, row, offset, work, drafting = time.perf_counter(), 0, 0, [], []
+        for req, (_, start, ids), dec in zip(owners, parts, decoding):
+            n_rows = len(ids) if dec else 1
+            emitted: list[int] = []
+            if dec or req.prefill_done:
+                for i in range(n_rows):
+                    if req.cancelled:
+                        break
+                    event = self._advance(req, logits[row + i], now)
+                    emitted.append(req.out_ids[-1])
+                    if event.finish_reason:
+                        with self._lock:
+                            self._finish(req, event.finish_reason, notify=False)
+                    req.on_event(event)
+                    if event.finish_reason or (i + 1 < len(ids) and emitted[-1] != ids[i + 1]):
+                        break
+            if dec and len(ids) > 1:
+                self._count_drafts(ids[1:], emitted)
+            row += n_rows
+            if hidden is not None and req.finish_reason is None and not req.cancelled:
+                verified = len(emitted) if dec else len(ids)     # rows whose input tokens were all right
+                following = (req.prompt_ids + req.out_ids)[start + 1:start + 1 + verified]
+                work.append(DraftWork(req.slot, start, hidden[offset:offset + verified], following,
+                                      self._draft_budget(req) if req.prefill_done else 0))
+                drafting.append(req)
+            offset += len(ids)
+        for req, drafts in zip(drafting, self.drafter.run(work) if work else []):
+            req.drafts = drafts
+
+    def _count_drafts(self, drafts: list[int], emitted: list[int]) -> None:
+        """Acceptance metrics of one verified part, and a log line every LOG_EVERY_S seconds."""
+        m = self.metrics
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, emitted)) if d != t), min(len(drafts), len(emitted)))
+        m.spec_steps.inc()
+        m.spec_drafted.inc(len(drafts))
+        m.spec_accepted.inc(accepted)
+        for i in range(accepted):
+            m.spec_accepted_at.labels(position=str(i + 1)).inc()
+        now = time.perf_counter()
+        if now - self._spec_logged >= LOG_EVERY_S:
+            self._spec_logged = now
+            steps, drafted = m.spec_steps._value.get(), m.spec_drafted._value.get()
+            log.info("MTP: %.0f%% of %d drafts accepted, %.2f tokens per verify step", 100 *
+                     m.spec_accepted._value.get() / drafted, drafted, 1 + m.spec_accepted._value.get() / steps)
+
+    def _draft_budget(self, req: Request) -> int:
+        """Drafts worth verifying next step: none past max_model_len or past the request's last token."""
+        return max(0, min(self.spec_k, self.max_model_len - req.length, req.params.max_tokens - len(req.out_ids) - 1))
 
     # ------------------------------------------------------------------ sampling and output
     def _advance(self, req: Request, row: torch.Tensor, now: float) -> Event:

@@ -25,6 +25,8 @@ from moebox.runtime.loader import load_model
 from moebox.runtime.metrics import EngineMetrics
 from moebox.runtime.plan import available_memory, parse_size, plan_for
 from moebox.runtime.sampler import SamplingParams
+from moebox.runtime.speculative import SpeculativeConfig, draft_source
+from moebox.weights.checkpoint import Checkpoint
 
 log = logging.getLogger("moebox")
 
@@ -70,7 +72,8 @@ class LLM:
                  seed: int = 0, load_mtp: bool = False, progress: bool = True, memory: int | str | None = None,
                  experts: str = "native", store_dir: str | Path | None = None,
                  max_num_batched_tokens: int = 2048, max_waiting: int = 1 << 30,
-                 metrics: EngineMetrics | None = None, cuda_graphs: bool = True) -> None:
+                 metrics: EngineMetrics | None = None, cuda_graphs: bool = True,
+                 speculative_config: str | dict | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise MoeboxError("device='cuda' but no CUDA device is available; use device='cpu'")
@@ -84,9 +87,12 @@ class LLM:
                              with_mtp=load_mtp)
         log.info("%s", self.plan.table())
         self.plan.check()
+        spec = SpeculativeConfig.parse(speculative_config) if speculative_config is not None else None
+        draft = draft_source(Checkpoint(model), spec) if spec else None       # a bad head fails here, in seconds
         self.model, self.checkpoint = load_model(model, device=self.device, dtype=self.dtype,
-                                                 kv_cache_dtype=kv_cache_dtype, load_mtp=load_mtp, experts=experts,
-                                                 store_dir=store_dir, progress=progress)
+                                                 kv_cache_dtype=kv_cache_dtype, load_mtp=load_mtp or spec is not None,
+                                                 experts=experts, store_dir=store_dir, progress=progress,
+                                                 draft=draft)
         self.config = self.model.cfg
         self.max_model_len = plan_len            # plan_for has checked it against max_position_embeddings
         self.max_num_seqs = max_num_seqs
@@ -94,7 +100,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                              max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                             device=self.device, seed=seed, metrics=metrics, cuda_graphs=cuda_graphs)
+                             device=self.device, seed=seed, metrics=metrics, cuda_graphs=cuda_graphs,
+                             num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         self.cache = self.engine.cache
 
     # ------------------------------------------------------------------ tokens

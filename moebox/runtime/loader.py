@@ -9,6 +9,7 @@ store instead (packed on first use); the checkpoint's expert tensors are then ne
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,13 +61,22 @@ def load_expert_planes(ckpt: Checkpoint, store_dir: str | Path | None, device: s
 
 def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                kv_cache_dtype: str = "auto", load_mtp: bool = True, experts: str = "native",
-               store_dir: str | Path | None = None, progress: bool = True) -> tuple[DeepseekV4, Checkpoint]:
+               store_dir: str | Path | None = None, progress: bool = True,
+               draft: Checkpoint | None = None) -> tuple[DeepseekV4, Checkpoint]:
+    """`draft`: where the MTP head's tensors come from when not the model directory itself (a standalone MTP
+    head checked by `runtime.speculative.draft_source`)."""
     if experts not in EXPERT_FORMATS:
         raise MoeboxError(f"experts={experts!r} is not supported; use one of {EXPERT_FORMATS}")
     ckpt = Checkpoint(model_dir)
     ckpt.validate()
     cfg = ckpt.config
-    names = ckpt.names()
+    separate = draft is not None and draft.dir.resolve() != ckpt.dir.resolve()
+    if separate:
+        if experts == "w2":
+            raise MoeboxError(f"an MTP head from another directory ({draft.dir}) runs with --experts native only "
+                              f"for now: the plane store packs the experts of {ckpt.dir}")
+        cfg = replace(cfg, num_mtp_layers=1)
+    names = ckpt.names() + ([n for n in draft.names() if n.startswith("mtp.0.")] if separate else [])
     has_mtp = any(n.startswith("mtp.") for n in names)
     if load_mtp and cfg.num_mtp_layers and not has_mtp:
         log.warning("%s: config declares %d MTP layer(s) but the checkpoint has no mtp.* tensors; running without "
@@ -78,7 +88,7 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
         weights.update(load_expert_planes(ckpt, store_dir, device, progress))
     wanted = [n for n in names if (use_mtp or not n.startswith("mtp.")) and n not in weights]
     for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        weights[name] = ckpt.get(name).to(device)
+        weights[name] = (draft if separate and name.startswith("mtp.") else ckpt).get(name).to(device)
     model = DeepseekV4(cfg, weights.__getitem__, qat=qat, dtype=dtype, load_mtp=use_mtp,
                        kv_layout="fp8" if kv_cache_dtype == "fp8" else "model")
     log.info("loaded %s (%s layout, %d layers, %s experts, QAT rounding %s)", model_dir, ckpt.layout,

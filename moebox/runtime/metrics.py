@@ -22,6 +22,11 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.waiting = Gauge("moebox_requests_waiting", "Requests queued for a cache slot", registry=r)
         self.running = Gauge("moebox_requests_running", "Requests holding a cache slot", registry=r)
+        self.spec_steps = Counter("moebox_spec_verify_steps", "Decode steps that verified MTP drafts", registry=r)
+        self.spec_drafted = Counter("moebox_spec_draft_tokens", "MTP draft tokens verified", registry=r)
+        self.spec_accepted = Counter("moebox_spec_accepted_tokens", "MTP draft tokens accepted", registry=r)
+        self.spec_accepted_at = Counter("moebox_spec_accepted_at_position", "Drafts accepted, by draft position",
+                                        ["position"], registry=r)
         self.cache_usage = Gauge("moebox_cache_usage", "Fraction of cache slots in use", registry=r)
 
     def render(self) -> bytes:

@@ -5,6 +5,11 @@ Users know vLLM's spelling, `--speculative-config '{"method": "deepseek_mtp", "m
 `mtp.0.*` or from `model` (a standalone MTP-head directory sharing the main model's embedding and head). A head
 moebox cannot run (DSpark), a missing one, or one whose shapes do not fit the main model is one clear error at
 start that says what was found and what to do instead; never a KeyError halfway through loading.
+
+Verification accepts a draft when it equals the token the request's own sampler picks from the verified row
+(greedy, penalties, forced tokens, sampling), one sampler call per emitted token, in order, each from the row of
+a verified prefix: greedy and seeded requests get exactly the tokens plain decoding gives, unseeded sampling
+keeps its distribution. (Rejection sampling would accept more drafts at high temperature; it is not built.)
 """
 
 from __future__ import annotations
@@ -14,7 +19,12 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moebox.errors import MoeboxError
+from moebox.model.batch import FlatBatch
+from moebox.model.cache import KVCache
+from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.weights.checkpoint import Checkpoint
 from moebox.weights.schema import official_schema
 
@@ -56,6 +66,22 @@ class SpeculativeConfig:
         return spec
 
 
+def add_flags(p) -> None:
+    """--speculative-config / --mtp on a CLI parser (serve, generate)."""
+    p.add_argument("--speculative-config", default=None,
+                   help='MTP speculative decoding, vLLM\'s spelling: \'{"method": "deepseek_mtp", '
+                        '"num_speculative_tokens": 2, "model": DIR}\' (model: a separate MTP head; optional)')
+    p.add_argument("--mtp", type=int, default=None, metavar="K",
+                   help="shorthand for --speculative-config with K drafted tokens from the checkpoint's MTP head")
+
+
+def from_flags(speculative_config: str | None, mtp: int | None) -> str | dict | None:
+    if speculative_config is not None and mtp is not None:
+        raise MoeboxError("--mtp and --speculative-config both given; use one (--mtp K is "
+                          "'{\"num_speculative_tokens\": K}')")
+    return speculative_config if mtp is None else {"num_speculative_tokens": mtp}
+
+
 def draft_source(main: Checkpoint, spec: SpeculativeConfig) -> Checkpoint:
     """The checkpoint whose `mtp.0.*` tensors will draft, checked against the main model's shapes (headers only)."""
     src = main if spec.model is None else Checkpoint(Path(spec.model))
@@ -73,3 +99,48 @@ def draft_source(main: Checkpoint, spec: SpeculativeConfig) -> Checkpoint:
             raise MoeboxError(f"{src.dir}: the MTP head does not match the main model {main.dir}: {name} is "
                               f"{list(got)}, the main model needs {list(want.shape)}. Options: {OPTIONS}")
     return src
+
+
+@dataclass
+class DraftWork:
+    """Rows the main model just verified for one sequence, to be written into the MTP layer's cache, and how
+    many tokens to draft after them."""
+
+    slot: int
+    start: int                 # position of the first row
+    hidden: torch.Tensor       # [n, hc, H] the main model's final residuals at positions start..start+n-1
+    next_tokens: list[int]     # the token at position p+1 for each row p
+    k: int                     # drafts wanted after the last row (0: only write the rows)
+
+
+class MTPDrafter:
+    """Drafts with DeepSeek's MTP block: the row at position t reads the main residual at t and token t+1 and
+    predicts token t+2; drafts after the first chain the block's own residual (vLLM's convention). Chained rows
+    are written at positions the next call overwrites with verified rows first, so rejected drafts leave
+    nothing behind (the MTP window ring has the cache's speculative slack)."""
+
+    def __init__(self, model: DeepseekV4, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+
+    def run(self, work: list[DraftWork]) -> list[list[int]]:
+        if not work:
+            return []
+        device = work[0].hidden.device
+        batch = FlatBatch.build([(w.slot, w.start, w.next_tokens) for w in work], device)
+        out = self.model.mtp_forward(torch.cat([w.hidden for w in work]), batch, self.cache)
+        drafts: list[list[int]] = [[] for _ in work]
+        live = [i for i, w in enumerate(work) if w.k >= 1]
+        last = out.hidden[batch.last_rows()]
+        firsts = out.logits.argmax(-1).tolist()
+        state = {i: (work[i].start + len(work[i].next_tokens), last[i]) for i in live}   # next row, residual
+        for i in live:
+            drafts[i].append(firsts[i])
+        depth = 1
+        while live := [i for i in live if work[i].k > depth]:
+            chain = FlatBatch.build([(work[i].slot, state[i][0], [drafts[i][-1]]) for i in live], device)
+            o = self.model.mtp_forward(torch.stack([state[i][1] for i in live]), chain, self.cache)
+            for j, (i, tok) in enumerate(zip(live, o.logits.argmax(-1).tolist())):
+                drafts[i].append(tok)
+                state[i] = (state[i][0] + 1, o.hidden[j])
+            depth += 1
+        return drafts

@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from moebox.errors import MoeboxError
+from moebox.runtime.speculative import add_flags, from_flags
 from moebox.server.app import ServerState, create_app
 
 log = logging.getLogger("moebox")
@@ -63,6 +64,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="plane store directory for --experts w2")
     p.add_argument("--memory", default=None, help="memory budget for the plan, e.g. 121.7GiB (default: available)")
     p.add_argument("--seed", type=int, default=0)
+    add_flags(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly instead of replaying CUDA graphs (--device cuda)")
 
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
                       experts=args.experts, store_dir=args.store, memory=args.memory, seed=args.seed,
-                      metrics=state.metrics, progress=False, cuda_graphs=not args.enforce_eager)
+                      metrics=state.metrics, progress=False, cuda_graphs=not args.enforce_eager,
+                      speculative_config=from_flags(args.speculative_config, args.mtp))
             if llm.tokenizer is None:
                 raise MoeboxError(f"{model}: no tokenizer.json; the server needs the model's tokenizer")
             threading.Thread(target=llm.engine.run, name="moebox-engine", daemon=True).start()

@@ -1,0 +1,81 @@
+"""MTP speculative decoding: the same tokens as plain decoding (greedy and seeded sampling), with drafts both
+rejected (random tiny model) and accepted (a tiny model trained to repeat a text), across compressor windows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebox import LLM, SamplingParams
+from moebox.config import parse_config
+from moebox.train.export import export_checkpoint
+from moebox.train.model import init_params, losses, trainable_model
+from moebox.weights.synth import preset_config
+from moebox.weights.tokenizer import build_tokenizer
+
+PROMPTS = [[0] + list(range(40, 75)), [0, 9, 8, 7], [0] + [17, 23] * 12]
+
+
+def _generate(model, spec: dict | None, params: SamplingParams, prompts=PROMPTS) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model, kv_cache_dtype="model", max_num_seqs=4, speculative_config=spec, progress=False)
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params)], llm
+
+
+@pytest.fixture(scope="module")
+def repeating_model(tmp_path_factory):
+    """A tiny model trained until it (and its MTP head) continue a fixed token cycle: drafts get accepted."""
+    raw = preset_config("tiny")
+    cfg = parse_config(raw)
+    torch.manual_seed(0)
+    params = init_params(cfg, seed=0)
+    model = trainable_model(cfg, params)
+    opt = torch.optim.AdamW([p for p in params.values() if isinstance(p, torch.nn.Parameter)], lr=3e-3)
+    cycle = [0] + [30 + (i % 11) for i in range(90)]
+    for _ in range(40):
+        main, mtp = losses(model, [cycle])
+        opt.zero_grad()
+        (main + mtp).backward()
+        opt.step()
+    return export_checkpoint(tmp_path_factory.mktemp("rep") / "ckpt", raw, params, build_tokenizer(cfg.vocab_size),
+                             shard_mb=1.0, progress=False)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_tokens_equal_plain_decoding_with_rejections(tiny_ckpt, k):
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _ = _generate(tiny_ckpt, None, greedy)
+    spec, llm = _generate(tiny_ckpt, {"num_speculative_tokens": k}, greedy)
+    assert spec == plain
+    assert llm.engine.metrics.spec_drafted._value.get() > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_tokens_equal_plain_decoding_with_acceptances(repeating_model, k):
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    prompts = [[0, 30, 31, 32, 33], [0] + [30 + (i % 11) for i in range(40)]]
+    plain, _ = _generate(repeating_model, None, greedy, prompts)
+    spec, llm = _generate(repeating_model, {"num_speculative_tokens": k}, greedy, prompts)
+    assert spec == plain
+    drafted, accepted = (c._value.get() for c in (llm.engine.metrics.spec_drafted, llm.engine.metrics.spec_accepted))
+    print(f"\nk={k}: accepted {accepted:.0f} of {drafted:.0f} drafts")
+    assert accepted >= 0.5 * drafted > 0
+    reg = llm.engine.metrics.registry
+    by_position = [reg.get_sample_value("moebox_spec_accepted_at_position_total", {"position": str(i + 1)}) or 0
+                   for i in range(k)]
+    assert sum(by_position) == accepted and by_position == sorted(by_position, reverse=True)
+
+
+def test_seeded_sampling_equals_plain_decoding(repeating_model):
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+    plain, _ = _generate(repeating_model, None, params)
+    spec, _ = _generate(repeating_model, {"num_speculative_tokens": 2}, params)
+    assert spec == plain
+
+
+def test_a_separate_head_directory_drafts_for_a_dspark_checkpoint(tiny_copy, tiny_ckpt):
+    """The 0731 situation: the main checkpoint carries DSpark, the MTP head comes from the original release."""
+    from tests.test_draft_heads import dspark
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain, _ = _generate(tiny_ckpt, None, greedy)
+    spec, llm = _generate(dspark(tiny_copy), {"model": str(tiny_ckpt), "num_speculative_tokens": 2}, greedy)
+    assert spec == plain and llm.engine.metrics.spec_drafted._value.get() > 0
