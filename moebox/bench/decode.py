@@ -27,6 +27,7 @@ from moebox.config import ModelConfig, parse_config
 from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.model.cache import cache_bytes_per_slot
+from moebox.ops.cuda_graphs import capture
 from moebox.runtime.graphs import DecodeGraphs
 from moebox.weights.synth import PRESETS, preset_config
 
@@ -162,7 +163,7 @@ def bench_decode(model: DeepseekV4, weights: dict[str, object], batches: Sequenc
             moved = dense_bytes(model, weights, b) + distinct_experts(model, batch, cache) * expert_bytes(cfg)
             rows.append(DecodeRow(context, b, step, moved, b * cache_read_bytes(cfg, context, model.dtype), copy_bw))
             log.info("decode context %d batch %d: %.2f ms", context, b, step * 1e3)
-        del graphs, cache
+        graphs = cache = None                    # free this context's cache before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -182,17 +183,7 @@ class _Recorder:
 
 def _graph_seconds(calls: list[tuple[Callable, tuple]], device: torch.device, steps: int) -> float:
     """Seconds per replay of one CUDA graph that makes all `calls` in order."""
-    def replay() -> None:
-        for part, args in calls:
-            part(*args)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        replay()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replay()
+    graph, _ = capture(lambda: [part(*args) for part, args in calls])
     return _timed(graph.replay, device, steps)
 
 
@@ -268,7 +259,6 @@ def bench_prefill(model: DeepseekV4, weights: dict[str, object], prompts: Sequen
         seconds = _timed(run, device, 1)
         rows.append(PrefillRow(n, seconds, 2.0 * active_matmul_params(cfg, weights) * n, rate))
         log.info("prefill %d tokens: %.2f s", n, seconds)
-        del cache
     return rows
 
 

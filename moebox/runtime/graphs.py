@@ -20,6 +20,7 @@ import torch
 from moebox.model.batch import DecodeBatch
 from moebox.model.cache import KVCache
 from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.ops.cuda_graphs import capture
 
 log = logging.getLogger("moebox")
 
@@ -59,15 +60,7 @@ class DecodeGraphs:
             batch = DecodeBatch(torch.zeros(b, dtype=torch.long, device=device),
                                 torch.zeros(b, dtype=torch.long, device=device),
                                 torch.full((b,), scratch_slot, dtype=torch.long, device=device))
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):                   # compile kernels, settle the allocator
-                for _ in range(2):
-                    model.forward(batch, cache)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = model.forward(batch, cache).logits
+            graph, logits = capture(lambda: model.forward(batch, cache).logits, pool=pool, warmup=2)
             pool = graph.pool()
             self._graphs[b] = _Captured(graph, batch, logits)
             log.info("captured the decode step for batch %d", b)

@@ -122,6 +122,7 @@ import torch.nn.functional as F
 
 from moebox.weights.formats import QuantTensor
 
+from moebox.ops.cuda_graphs import capture
 from moebox.ops.triton.runtime import HAVE_TRITON, interpreting, num_sms, tl, triton  # noqa: F401 - Triton is optional
 
 BLOCK = 128  # the FP8 scale block, both dimensions; also the dot kernel's K step
@@ -489,16 +490,7 @@ def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30) -
 
 def _graph_ms(fn_per_copy: Callable[[int], object], copies: int, rep_ms: int = 200) -> float:
     """Per-call time of `copies` calls captured in one CUDA graph (each on its own weight copy), replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn_per_copy(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn_per_copy(i)
+    graph, _ = capture(lambda: [fn_per_copy(i) for i in range(copies)])
     ms = triton.testing.do_bench(graph.replay, warmup=min(10, max(1, rep_ms // 4)), rep=rep_ms)
     return ms / copies
 
@@ -561,7 +553,7 @@ def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, 
                      f"{row['cublas_TFLOP_s']:6.1f} TFLOP/s" if cublas else "")
                 print(f"{name:10s} {out_f:5d}x{in_f:<5d} N={n:<4d} {ms * 1e3:8.1f} us "
                       f"{row['TFLOP/s']:6.1f} TFLOP/s{c}  {cfg.label}", flush=True)
-        del w, wb
+        w = wb = None
         torch.cuda.empty_cache()
     for r in rows:
         r["copy_GB/s"] = copy_gbs

@@ -57,6 +57,7 @@ import torch
 
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 
+from moebox.ops.cuda_graphs import capture
 from moebox.ops.triton.runtime import HAVE_TRITON, num_sms, tl, triton  # noqa: F401 - Triton is optional
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
@@ -387,16 +388,7 @@ def random_site(n: int, hc: int = 4, hidden: int = 4096, dtype: torch.dtype = to
 
 def _graph_us(call: Callable[[int], object], copies: int) -> float:
     """Per-call time (us) of `copies` calls captured in one CUDA graph (each on its own inputs), replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            call(i)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
+    graph, _ = capture(lambda: [call(i) for i in range(copies)])
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100)
     del graph
     return ms * 1e3 / copies

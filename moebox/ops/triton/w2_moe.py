@@ -94,6 +94,7 @@ import torch
 from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
+from moebox.ops.cuda_graphs import capture
 from moebox.ops.triton.runtime import HAVE_TRITON, interpreting, tl, triton  # noqa: F401 - Triton is optional
 
 
@@ -779,16 +780,7 @@ SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
 
 def _graph_ms(calls: Sequence, rep: int) -> float:
     """Per-call time of `calls` captured back to back in one CUDA graph, replayed (L2 flushed per replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:   # compile and warm up outside the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+    graph, _ = capture(lambda: [call() for call in calls])
     return triton.testing.do_bench(graph.replay, warmup=10, rep=rep) / len(calls)
 
 
