@@ -79,3 +79,34 @@ def test_a_separate_head_directory_drafts_for_a_dspark_checkpoint(tiny_copy, tin
     plain, _ = _generate(tiny_ckpt, None, greedy)
     spec, llm = _generate(dspark(tiny_copy), {"model": str(tiny_ckpt), "num_speculative_tokens": 2}, greedy)
     assert spec == plain and llm.engine.metrics.spec_drafted._value.get() > 0
+
+
+def test_the_policy_keeps_the_faster_k_per_batch_size():
+    """Measured tokens/s decide: drafting where it pays (batch 1 here), not where it loses (batch 4, as in the
+    reference setup); every k is tried first, and the losers are re-measured every probe_every steps."""
+    from moebox.runtime.speculative import SpecPolicy
+    policy = SpecPolicy(k_max=2, probe_every=8)
+    speed = {(1, 0): 20.0, (1, 1): 30.0, (1, 2): 34.0, (4, 0): 80.0, (4, 1): 70.0, (4, 2): 60.0}  # tokens/s
+    chosen = {1: [], 4: []}
+    for _ in range(40):
+        for n in (1, 4):
+            k = policy.choose(n)
+            chosen[n].append(k)
+            policy.observe(n, k, tokens=int(speed[n, k]), seconds=1.0)
+    assert chosen[1][:3] == [2, 1, 0] and chosen[4][:3] == [2, 1, 0]        # exploration
+    assert chosen[1].count(2) >= 32 and chosen[4].count(0) >= 32
+    assert set(chosen[1][3:]) == {0, 1, 2}                                    # probes revisit the others
+    speed[1, 0] = 100.0                                       # the text changed: drafting stopped paying
+    later = []
+    for _ in range(40):
+        k = policy.choose(1)
+        later.append(k)
+        policy.observe(1, k, tokens=int(speed[1, k]), seconds=1.0)
+    assert later[-16:].count(0) >= 14                         # follows it, probes aside
+
+
+def test_the_engine_feeds_the_policy(tiny_ckpt):
+    _, llm = _generate(tiny_ckpt, {"num_speculative_tokens": 2},
+                       SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), PROMPTS[:1])
+    rates = llm.engine.spec_policy.rate
+    assert {(1, k) for k in range(3)} <= set(rates) and all(r > 0 for r in rates.values())

@@ -24,7 +24,7 @@ from moebox.model.batch import FlatBatch
 from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.runtime import graphs
 from moebox.runtime.metrics import EngineMetrics
-from moebox.runtime.speculative import DraftWork, MTPDrafter
+from moebox.runtime.speculative import DraftWork, MTPDrafter, SpecPolicy
 from moebox.runtime.sampler import SamplingParams, sample_token
 
 log = logging.getLogger("moebox")
@@ -113,6 +113,8 @@ class Engine:
         self.cache = model.new_cache(max_num_seqs + (why_eager is None), max_model_len, self.device,
                                      spec_slack=self.spec_k)
         self.drafter = MTPDrafter(model, self.cache) if self.spec_k else None
+        self.spec_policy = SpecPolicy(self.spec_k) if self.spec_k else None
+        self._drafted_k = 0                      # the k the policy chose for the drafts now pending
         self._spec_logged = time.perf_counter()
         self.graphs: graphs.DecodeGraphs | None = None
         if why_eager is None:
@@ -218,6 +220,7 @@ class Engine:
         if not batch_reqs:
             return False
 
+        started = time.perf_counter()
         parts, owners, decoding, budget = [], [], [], self.max_num_batched_tokens
         for req in batch_reqs:                     # decode first: running sequences never starve
             if req.prefill_done:
@@ -226,6 +229,7 @@ class Engine:
                 decoding.append(True)
                 budget -= 1 + len(req.drafts)
         decode_only = len(parts) == len(batch_reqs) and not any(req.drafts for req in batch_reqs)
+        k_used = self._drafted_k
         for req in batch_reqs:
             if not req.prefill_done and budget > 0:
                 n = min(len(req.prompt_ids) - req.num_prefilled, budget)
@@ -244,7 +248,11 @@ class Engine:
         rows = [s.offset + i for s, dec in zip(batch.segments, decoding)
                 for i in (range(s.length) if dec else [s.length - 1])]
         out = self.model.forward(batch, self.cache, logits_rows=torch.tensor(rows, device=self.device))
+        generated = self.metrics.generation_tokens._value.get()
         self._emit(owners, parts, decoding, out.logits, out.hidden if self.drafter else None)
+        if self.spec_policy is not None and all(decoding):     # decode-only steps measure the speed of k
+            self.spec_policy.observe(len(parts), k_used, self.metrics.generation_tokens._value.get() - generated,
+                                     time.perf_counter() - started)
         return True
 
     def _emit(self, owners: list[Request], parts: list[tuple[int, int, list[int]]], decoding: list[bool],
@@ -278,6 +286,10 @@ class Engine:
                                       self._draft_budget(req) if req.prefill_done else 0))
                 drafting.append(req)
             offset += len(ids)
+        if work:
+            self._drafted_k = self.spec_policy.choose(sum(req.prefill_done for req in drafting))
+            for w in work:
+                w.k = min(w.k, self._drafted_k)
         for req, drafts in zip(drafting, self.drafter.run(work) if work else []):
             req.drafts = drafts
 

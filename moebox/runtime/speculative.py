@@ -144,3 +144,42 @@ class MTPDrafter:
                 state[i] = (state[i][0] + 1, o.hidden[j])
             depth += 1
         return drafts
+
+
+def batch_bucket(n: int) -> int:
+    """Decode batch sizes grouped by powers of two: 1, 2, 3-4 -> 4, 5-8 -> 8, ..."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class SpecPolicy:
+    """How many drafts to verify per step, from measured speed: never slower than not drafting.
+
+    Whether drafting pays depends on acceptance (the text, the request) and on what a k+1-token verify step costs
+    against a 1-token step at this batch size (the hardware; the reference setup loses 5% at 4 sequences). Both
+    are in one number the engine can measure: tokens emitted per second over decode-only steps. The policy keeps
+    an average of it per (batch-size bucket, k), tries every k once per bucket, then uses the best, and re-tries
+    another k every `probe_every` steps of a bucket, so it follows acceptance as the text changes."""
+
+    def __init__(self, k_max: int, probe_every: int = 64, smoothing: float = 0.25) -> None:
+        self.k_max, self.probe_every, self.smoothing = k_max, probe_every, smoothing
+        self.rate: dict[tuple[int, int], float] = {}      # (bucket, k) -> tokens/s
+        self.steps: dict[int, int] = {}
+
+    def choose(self, n_seqs: int) -> int:
+        bucket = batch_bucket(n_seqs)
+        untried = [k for k in range(self.k_max, -1, -1) if (bucket, k) not in self.rate]
+        if untried:
+            return untried[0]
+        best = max(range(self.k_max + 1), key=lambda k: self.rate[bucket, k])
+        step = self.steps.get(bucket, 0)
+        if step and step % self.probe_every == 0:         # re-measure the others in turn
+            others = [k for k in range(self.k_max + 1) if k != best]
+            return others[(step // self.probe_every - 1) % len(others)]
+        return best
+
+    def observe(self, n_seqs: int, k: int, tokens: int, seconds: float) -> None:
+        bucket = batch_bucket(n_seqs)
+        self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        rate = tokens / max(seconds, 1e-9)
+        old = self.rate.get((bucket, k))
+        self.rate[bucket, k] = rate if old is None else old + self.smoothing * (rate - old)
