@@ -229,6 +229,8 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="plane store directory for w2 (default: in the cache)")
     p.add_argument("--n-per-kind", type=int, default=50, help="held-out items per kind")
     p.add_argument("--max-tokens", type=int, default=192, help="generation budget per chat item")
+    p.add_argument("--mtp", type=int, nargs="*", default=[1, 2, 3], metavar="K",
+                   help="also measure MTP draft acceptance at these k (none: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
 
@@ -236,7 +238,7 @@ def _configure_eval(p: argparse.ArgumentParser) -> None:
 def _run_eval(args: argparse.Namespace) -> int:
     from moebox.train.evaluate import run_eval
     print(run_eval(args.model, args.experts, args.n_per_kind, args.seed, args.device, args.store,
-                   max_tokens=args.max_tokens))
+                   max_tokens=args.max_tokens, mtp_k=tuple(args.mtp)))
     return 0
 
 

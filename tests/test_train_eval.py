@@ -53,7 +53,7 @@ def test_tool_answer_must_quote_the_fact():
 
 def test_eval_cli_compares_native_and_w2(tiny_ckpt, tmp_path):
     out = subprocess.run([sys.executable, "-m", "moebox.cli", "eval", str(tiny_ckpt), "--n-per-kind", "1",
-                          "--max-tokens", "8", "--store", str(tmp_path / "store")],
+                          "--max-tokens", "8", "--store", str(tmp_path / "store"), "--mtp", "2"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -61,5 +61,7 @@ def test_eval_cli_compares_native_and_w2(tiny_ckpt, tmp_path):
     for name in ("arith accuracy", "tool_call correct", "tool_call valid", "code perplexity", "prose perplexity"):
         native, w2 = (float(v) for v in rows[name])
         assert native >= 0 and w2 >= 0
+    for native_or_w2 in rows["MTP k=2 mean accepted length"]:
+        assert 1 <= float(native_or_w2) <= 3
     assert 0 <= float(rows["top-1 agreement w2 vs native"][0]) <= 1
     assert float(rows["KL native to w2 per token"][0]) >= 0

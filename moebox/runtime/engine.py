@@ -95,7 +95,7 @@ class Engine:
     def __init__(self, model: DeepseekV4, tokenizer: Tokenizer | None, *, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int = 2048, max_waiting: int = 256, device: torch.device | str = "cpu",
                  seed: int = 0, metrics: EngineMetrics | None = None, cuda_graphs: bool = True,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, adaptive_speculation: bool = True) -> None:
         if max_num_batched_tokens < max_num_seqs:
             raise MoeboxError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                               f"--max-num-seqs ({max_num_seqs}): every running sequence decodes one token per step")
@@ -113,7 +113,7 @@ class Engine:
         self.cache = model.new_cache(max_num_seqs + (why_eager is None), max_model_len, self.device,
                                      spec_slack=self.spec_k)
         self.drafter = MTPDrafter(model, self.cache) if self.spec_k else None
-        self.spec_policy = SpecPolicy(self.spec_k) if self.spec_k else None
+        self.spec_policy = SpecPolicy(self.spec_k, adaptive=adaptive_speculation) if self.spec_k else None
         self._drafted_k = 0                      # the k the policy chose for the drafts now pending
         self._spec_logged = time.perf_counter()
         self.graphs: graphs.DecodeGraphs | None = None

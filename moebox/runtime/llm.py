@@ -101,7 +101,8 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                              max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                              device=self.device, seed=seed, metrics=metrics, cuda_graphs=cuda_graphs,
-                             num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                             adaptive_speculation=spec.adaptive if spec else True)
         self.cache = self.engine.cache
 
     # ------------------------------------------------------------------ tokens

@@ -39,6 +39,7 @@ class SpeculativeConfig:
     method: str = "deepseek_mtp"
     model: str | None = None
     num_speculative_tokens: int = 1
+    adaptive: bool = True      # moebox's own key: False verifies k drafts every step (measuring acceptance)
 
     @classmethod
     def parse(cls, value: str | dict[str, Any]) -> "SpeculativeConfig":
@@ -59,6 +60,8 @@ class SpeculativeConfig:
         if spec.method not in METHODS:
             raise MoeboxError(f"--speculative-config: method {spec.method!r} is not supported; moebox drafts with "
                               f"DeepSeek's MTP head: \"deepseek_mtp\"")
+        if not isinstance(spec.adaptive, bool):
+            raise MoeboxError(f"--speculative-config: adaptive must be true or false, got {spec.adaptive!r}")
         k = spec.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise MoeboxError(f"--speculative-config: num_speculative_tokens must be an integer from 1 to "
@@ -160,12 +163,14 @@ class SpecPolicy:
     an average of it per (batch-size bucket, k), tries every k once per bucket, then uses the best, and re-tries
     another k every `probe_every` steps of a bucket, so it follows acceptance as the text changes."""
 
-    def __init__(self, k_max: int, probe_every: int = 64, smoothing: float = 0.25) -> None:
-        self.k_max, self.probe_every, self.smoothing = k_max, probe_every, smoothing
+    def __init__(self, k_max: int, probe_every: int = 64, smoothing: float = 0.25, adaptive: bool = True) -> None:
+        self.k_max, self.probe_every, self.smoothing, self.adaptive = k_max, probe_every, smoothing, adaptive
         self.rate: dict[tuple[int, int], float] = {}      # (bucket, k) -> tokens/s
         self.steps: dict[int, int] = {}
 
     def choose(self, n_seqs: int) -> int:
+        if not self.adaptive:
+            return self.k_max
         bucket = batch_bucket(n_seqs)
         untried = [k for k in range(self.k_max, -1, -1) if (bucket, k) not in self.rate]
         if untried:

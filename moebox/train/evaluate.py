@@ -8,7 +8,9 @@ back with the server's own parser, so a score says what an API client would get:
   tool_answer                the answer's content quotes the fact from the tool result
   code, prose                perplexity of the held-out chunk after BOS
 Comparing w2 with native experts also gives top-1 agreement and KL(native, w2) of the next-token
-distributions over the held-out text, the direct measure of what the 2-bit planes cost.
+distributions over the held-out text, the direct measure of what the 2-bit planes cost. With `mtp_k`, the chat
+items are generated again with k MTP drafts verified every step (no adaptive policy), giving the mean accepted
+length (tokens per verify step, the bonus token included) and the acceptance rate of the drafts.
 """
 
 from __future__ import annotations
@@ -129,8 +131,24 @@ def agreement(native: list[tuple[torch.Tensor, list[int]]], w2: list[tuple[torch
             "KL native to w2 per token": kl.item()}
 
 
+def mtp_acceptance(model: str | Path, records: list[EvalRecord], k: int, experts: str, device: str,
+                   store_dir: str | Path | None, max_tokens: int) -> dict[str, float]:
+    """Greedy generation of the chat records with k drafts verified every step: acceptance metrics."""
+    from moebox import LLM, SamplingParams
+    llm = LLM(model, device=device, experts=experts, store_dir=store_dir, max_num_seqs=16, progress=False,
+              speculative_config={"num_speculative_tokens": k, "adaptive": False})
+    chat = [r for r in records if r.kind in CHAT_KINDS]
+    llm.generate([_token_ids(llm, r.prompt)[:llm.max_model_len - max_tokens] for r in chat],
+                 SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    m = llm.engine.metrics
+    steps, drafted, accepted = (c._value.get() for c in (m.spec_steps, m.spec_drafted, m.spec_accepted))
+    return {f"MTP k={k} mean accepted length": 1 + accepted / max(steps, 1),
+            f"MTP k={k} draft acceptance": accepted / max(drafted, 1)}
+
+
 def run_eval(model: str | Path, experts: list[str], n_per_kind: int, seed: int = 0, device: str = "cpu",
-             store_dir: str | Path | None = None, kinds: tuple[str, ...] = KINDS, max_tokens: int = 192) -> str:
+             store_dir: str | Path | None = None, kinds: tuple[str, ...] = KINDS, max_tokens: int = 192,
+             mtp_k: tuple[int, ...] = ()) -> str:
     """The markdown table of `evaluate` for each expert format (and their agreement when both ran)."""
     from moebox import LLM
     records = eval_records(seed, n_per_kind, kinds=kinds)
@@ -138,8 +156,10 @@ def run_eval(model: str | Path, experts: list[str], n_per_kind: int, seed: int =
     for fmt in experts:
         llm = LLM(model, device=device, experts=fmt, store_dir=store_dir, max_num_seqs=16, progress=False)
         report, texts[fmt] = evaluate(llm, records, fmt, max_tokens)
-        reports.append(report)
         del llm
+        for k in mtp_k:
+            report.rows.update(mtp_acceptance(model, records, k, fmt, device, store_dir, max_tokens))
+        reports.append(report)
     names = list(dict.fromkeys(k for r in reports for k in r.rows))
     lines = ["| metric | " + " | ".join(r.experts for r in reports) + " |", "|---" * (len(reports) + 1) + "|"]
     lines += [f"| {n} | " + " | ".join(f"{r.rows[n]:.3f}" if n in r.rows else "" for r in reports) + " |"
