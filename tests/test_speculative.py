@@ -110,3 +110,38 @@ def test_the_engine_feeds_the_policy(tiny_ckpt):
                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), PROMPTS[:1])
     rates = llm.engine.spec_policy.rate
     assert {(1, k) for k in range(3)} <= set(rates) and all(r > 0 for r in rates.values())
+
+
+def _chi_square_p(a: list[int], b: list[int]) -> float:
+    """p-value of the two-sample chi-square test that a and b come from one distribution (categories with fewer
+    than 10 samples in total pooled into one)."""
+    from collections import Counter
+    ca, cb = Counter(a), Counter(b)
+    cats = sorted(set(ca) | set(cb))
+    big = [c for c in cats if ca[c] + cb[c] >= 10]
+    rows = [(ca[c], cb[c]) for c in big] + [(sum(ca[c] for c in cats if c not in big),
+                                             sum(cb[c] for c in cats if c not in big))]
+    rows = [r for r in rows if sum(r)]
+    na, nb = len(a), len(b)
+    stat = sum((x - (x + y) * na / (na + nb)) ** 2 / ((x + y) * na / (na + nb)) +
+               (y - (x + y) * nb / (na + nb)) ** 2 / ((x + y) * nb / (na + nb)) for x, y in rows)
+    df = len(rows) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_unseeded_sampling_keeps_its_distribution(repeating_model):
+    """The third token (verified from a draft row when the first draft is accepted) has the same distribution with
+    and without speculation, by a chi-square test over 400 samples each; a shifted distribution fails it."""
+    params = SamplingParams(max_tokens=3, temperature=1.5, ignore_eos=True)
+    prompts = [[0, 30, 31, 32, 33]] * 400
+    samples = {}
+    for name, spec in (("plain", None), ("mtp", {"num_speculative_tokens": 2, "adaptive": False})):
+        outs, llm = _generate(repeating_model, spec, params, prompts)
+        samples[name] = [o[2] for o in outs]
+    assert llm.engine.metrics.spec_accepted._value.get() > 100          # draft rows really produced tokens
+    p = _chi_square_p(samples["plain"], samples["mtp"])
+    print(f"\nchi-square p = {p:.3f} ({len(set(samples['plain']))} distinct third tokens)")
+    assert p > 0.001
+    shifted = [t if i % 3 else samples["plain"][0] for i, t in enumerate(samples["plain"])]
+    assert _chi_square_p(samples["mtp"], shifted) < 0.001              # the test can tell distributions apart
