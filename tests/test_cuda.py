@@ -77,7 +77,7 @@ def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path):
     for pos in range(10, 23):
         live = [s for s in range(3) if pos < len(seqs[s])] if pos % 5 else [1]     # 3 rows in 4, or 1 in 1
         tokens, positions = [seqs[s][pos] for s in live], [pos] * len(live)
-        got = graphs.run(tokens, positions, live).float().cpu()
+        got = graphs.run(tokens, positions, live).logits.float().cpu()
         want = model.forward(DecodeBatch(*(torch.tensor(v, device="cuda") for v in (tokens, positions, live))),
                              caches[1]).logits.float().cpu()
         assert (got - want).abs().max().item() <= 1e-5, pos

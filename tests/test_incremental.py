@@ -155,3 +155,33 @@ def test_decode_batch_equals_flat_steps_with_fp8_cache(tiny_ckpt):
         flat = chunked_logits_in(model, cache, ids, [prompt] + [1] * (len(ids) - prompt), s)
         diff = (got[s] - flat[-len(got[s]):]).abs().max().item()
         assert diff <= 0.01 * flat.abs().max().item(), (s, diff)
+
+
+def test_decode_batch_with_several_tokens_per_sequence(tiny_model):
+    """Speculative verify steps as DecodeBatches: 3 consecutive tokens per sequence in one shape-static batch
+    (rows of one sequence share its slot), sometimes with the last two rows rejected (wrong tokens, as a failed
+    draft) and fed again correctly next step. Every accepted row gives the full forward's logits: rows written
+    for rejected positions (window rings, compressor rings, entries of windows they closed, indexer keys) never
+    leak, given the cache's speculative slack."""
+    vocab = tiny_model.cfg.vocab_size
+    seqs = {0: random_ids(62, 50, vocab), 1: random_ids(47, 51, vocab)}
+    wrong = random_ids(200, 52, vocab)
+    cache = tiny_model.new_cache(2, 128, "cpu", spec_slack=2)
+    tiny_model.forward(FlatBatch.build([(s, 0, ids[:5]) for s, ids in seqs.items()]), cache)
+    got: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
+    pos, step = 5, 0
+    while pos + 3 <= 44:
+        reject = step % 2 == 1
+        rows = [(s, p, ids[p] if not (reject and p > pos) else wrong[p]) for s, ids in seqs.items()
+                for p in range(pos, pos + 3)]
+        slots, positions, tokens = (torch.tensor(v) for v in zip(*rows))
+        logits = tiny_model.forward(DecodeBatch(tokens, positions, slots), cache).logits
+        keep = 1 if reject else 3
+        for (s, p, _), row in zip(rows, logits):
+            if p < pos + keep:
+                got[s].append(row)
+        pos, step = pos + keep, step + 1
+    for s, ids in seqs.items():
+        want = full_logits(tiny_model, ids)[5:pos]
+        diff = (torch.stack(got[s]) - want).abs().max().item()
+        assert diff <= TOL, (s, diff)

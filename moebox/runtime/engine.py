@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from moebox.errors import MoeboxError
-from moebox.model.batch import FlatBatch
+from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.runtime import graphs
 from moebox.runtime.metrics import EngineMetrics
@@ -107,8 +107,6 @@ class Engine:
             raise MoeboxError("speculative decoding needs the model's MTP head loaded (load_mtp)")
         self.spec_k = num_speculative_tokens
         why_eager = graphs.supported(model, self.device) if cuda_graphs else "cuda_graphs=False"
-        if self.spec_k and why_eager is None:
-            why_eager = "speculative decoding verifies several tokens per sequence (not captured yet)"
         # one more slot than sequences when decode steps replay graphs: the padding rows' scratch slot
         self.cache = model.new_cache(max_num_seqs + (why_eager is None), max_model_len, self.device,
                                      spec_slack=self.spec_k)
@@ -118,7 +116,8 @@ class Engine:
         self._spec_logged = time.perf_counter()
         self.graphs: graphs.DecodeGraphs | None = None
         if why_eager is None:
-            self.graphs = graphs.DecodeGraphs(model, self.cache, max_num_seqs, graphs.batch_sizes_for(max_num_seqs))
+            self.graphs = graphs.DecodeGraphs(model, self.cache, max_num_seqs,
+                                              graphs.batch_sizes_for(max_num_seqs * (1 + self.spec_k)))
         elif self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", why_eager)
         self.eos_ids = set(model.cfg.eos_token_ids)
@@ -228,7 +227,7 @@ class Engine:
                 owners.append(req)
                 decoding.append(True)
                 budget -= 1 + len(req.drafts)
-        decode_only = len(parts) == len(batch_reqs) and not any(req.drafts for req in batch_reqs)
+        decode_only = len(parts) == len(batch_reqs)
         k_used = self._drafted_k
         for req in batch_reqs:
             if not req.prefill_done and budget > 0:
@@ -239,15 +238,19 @@ class Engine:
                 req.num_prefilled += n
                 budget -= n
                 self.metrics.prompt_tokens.inc(n)
-        if self.graphs is not None and decode_only:
-            slots, positions, tokens = zip(*((slot, pos, ids[0]) for slot, pos, ids in parts))
-            self._emit(owners, parts, decoding, self.graphs.run(tokens, positions, slots), None)
-            return True
-        batch = FlatBatch.build(parts, self.device)
-        # logits: every row of a decode part (its drafts are verified), the last row of a prefill chunk
-        rows = [s.offset + i for s, dec in zip(batch.segments, decoding)
-                for i in (range(s.length) if dec else [s.length - 1])]
-        out = self.model.forward(batch, self.cache, logits_rows=torch.tensor(rows, device=self.device))
+        if decode_only:            # one token per row, every row's logits: the shape-static path (graphs on CUDA)
+            slots, positions, tokens = zip(*((slot, pos + i, t) for slot, pos, ids in parts for i, t in enumerate(ids)))
+            if self.graphs is not None and self.graphs.fits(len(tokens)):
+                out = self.graphs.run(tokens, positions, slots)
+            else:
+                batch = DecodeBatch(*(torch.tensor(v, device=self.device) for v in (tokens, positions, slots)))
+                out = self.model.forward(batch, self.cache)
+        else:
+            batch = FlatBatch.build(parts, self.device)
+            # logits: every row of a decode part (its drafts are verified), the last row of a prefill chunk
+            rows = [s.offset + i for s, dec in zip(batch.segments, decoding)
+                    for i in (range(s.length) if dec else [s.length - 1])]
+            out = self.model.forward(batch, self.cache, logits_rows=torch.tensor(rows, device=self.device))
         generated = self.metrics.generation_tokens._value.get()
         self._emit(owners, parts, decoding, out.logits, out.hidden if self.drafter else None)
         if self.spec_policy is not None and all(decoding):     # decode-only steps measure the speed of k

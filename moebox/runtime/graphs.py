@@ -19,17 +19,21 @@ import torch
 
 from moebox.model.batch import DecodeBatch
 from moebox.model.cache import KVCache
-from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.model.deepseek_v4 import DeepseekV4, ForwardOutput
+from moebox.model.moe import DECODE_TOKENS
 from moebox.ops.cuda_graphs import capture
 
 log = logging.getLogger("moebox")
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+BATCH_SIZES = (1, 2, 4, 8, 16)
 
 
-def batch_sizes_for(max_num_seqs: int) -> list[int]:
-    """The captured sizes: powers of two below max_num_seqs, and max_num_seqs itself."""
-    return sorted({b for b in BATCH_SIZES if b < max_num_seqs} | {max_num_seqs})
+def batch_sizes_for(max_rows: int) -> list[int]:
+    """The captured sizes: powers of two below max_rows, and max_rows itself, at most DECODE_TOKENS (above it
+    the routed experts leave the fused kernels for the torch path, which syncs with the host). Steps with more
+    rows run eagerly."""
+    top = min(max_rows, DECODE_TOKENS)
+    return sorted({b for b in BATCH_SIZES if b < top} | {top})
 
 
 def supported(model: DeepseekV4, device: torch.device) -> str | None:
@@ -45,7 +49,7 @@ def supported(model: DeepseekV4, device: torch.device) -> str | None:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     batch: DecodeBatch
-    logits: torch.Tensor
+    out: ForwardOutput
 
 
 class DecodeGraphs:
@@ -60,22 +64,26 @@ class DecodeGraphs:
             batch = DecodeBatch(torch.zeros(b, dtype=torch.long, device=device),
                                 torch.zeros(b, dtype=torch.long, device=device),
                                 torch.full((b,), scratch_slot, dtype=torch.long, device=device))
-            graph, logits = capture(lambda: model.forward(batch, cache).logits, pool=pool, warmup=2)
+            graph, out = capture(lambda: model.forward(batch, cache), pool=pool, warmup=2)
             pool = graph.pool()
-            self._graphs[b] = _Captured(graph, batch, logits)
+            self._graphs[b] = _Captured(graph, batch, out)
             log.info("captured the decode step for batch %d", b)
 
     @property
     def batch_sizes(self) -> list[int]:
         return sorted(self._graphs)
 
-    def run(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
-        """Logits [n, vocab] of one decode token for each of n sequences (a view into the graph's output,
-        valid until the next replay)."""
+    def fits(self, rows: int) -> bool:
+        return rows <= self.batch_sizes[-1]
+
+    def run(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> ForwardOutput:
+        """The step's logits [n, vocab] and final residuals [n, hc, H] for n rows (one token each; a sequence may
+        have several consecutive rows, as a speculative verify step does): views into the graph's outputs, valid
+        until the next replay."""
         n = len(tokens)
         size = next((b for b in self.batch_sizes if b >= n), None)
         if size is None:
-            raise ValueError(f"{n} sequences exceed the largest captured batch {self.batch_sizes[-1]}")
+            raise ValueError(f"{n} rows exceed the largest captured batch {self.batch_sizes[-1]}")
         cap = self._graphs[size]
         pad = size - n
         host = torch.tensor([list(tokens) + [0] * pad, list(positions) + [0] * pad,
@@ -83,4 +91,4 @@ class DecodeGraphs:
         for dst, src in zip((cap.batch.tokens, cap.batch.positions, cap.batch.slots), host):
             dst.copy_(src, non_blocking=True)
         cap.graph.replay()
-        return cap.logits[:n]
+        return ForwardOutput(cap.out.logits[:n], cap.out.hidden[:n])
