@@ -28,10 +28,16 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_bench_decode_cli_reports_each_row():
-    rows = _table_rows(_run("decode", "--batch", "1", "3", "--context", "40", "90", "--steps", "2"))
+    out = _run("decode", "--batch", "1", "3", "--context", "40", "90", "--steps", "2", "--verify", "2")
+    decode, _, verify = out.partition("speculative verify steps")
+    rows = _table_rows(decode)
     assert [(r[0], r[1]) for r in rows] == [("40", "1"), ("40", "3"), ("90", "1"), ("90", "3")]
     for r in rows:
         assert float(r[4]) > 0 and float(r[5]) > 0          # step ms, tok/s
+    vrows = [r for r in _table_rows(verify) if r[0] != "batch"]
+    assert [(r[0], r[1]) for r in vrows] == [("1", "2"), ("3", "2")]
+    for r in vrows:
+        assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0
 
 
 def test_bench_prefill_cli_reports_each_prompt():

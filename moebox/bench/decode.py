@@ -26,6 +26,7 @@ import torch
 from moebox.config import ModelConfig, parse_config
 from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.model.moe import DECODE_TOKENS
 from moebox.model.cache import cache_bytes_per_slot
 from moebox.ops.cuda_graphs import capture
 from moebox.runtime.graphs import DecodeGraphs
@@ -169,6 +170,59 @@ def bench_decode(model: DeepseekV4, weights: dict[str, object], batches: Sequenc
     return rows
 
 
+# ----------------------------------------------------------------------------------------- speculative verify
+@dataclass
+class VerifyRow:
+    batch: int
+    k: int
+    one_s: float        # a step of one token per sequence
+    verify_s: float     # a step of k+1 tokens per sequence (the last token + k drafts)
+
+    def cells(self) -> list[str]:
+        ratio = self.verify_s / self.one_s
+        return [f"{self.batch}", f"{self.k}", f"{self.one_s * 1e3:.2f}", f"{self.verify_s * 1e3:.2f}", f"{ratio:.2f}",
+                f"{ACCEPTED_LENGTH / ratio:.2f}x"]
+
+
+ACCEPTED_LENGTH = 2.6       # tokens per verify step reported for V4-Flash's MTP head at k=2 (field notes)
+VERIFY_HEADER = ["batch", "k", "1-token step ms", "k+1-token step ms", "ratio", f"speedup at {ACCEPTED_LENGTH} tok/step"]
+
+
+def _verify_batch(cfg: ModelConfig, batch: int, rows: int, context: int, device: torch.device) -> DecodeBatch:
+    """`rows` consecutive tokens for each of `batch` sequences, as a speculative verify step feeds them."""
+    g = torch.Generator().manual_seed(batch * 100 + rows)
+    return DecodeBatch(torch.randint(0, cfg.vocab_size, (batch * rows,), generator=g).to(device),
+                       (context + torch.arange(rows)).repeat(batch).to(device),
+                       torch.arange(batch).repeat_interleave(rows).to(device))
+
+
+def bench_verify(model: DeepseekV4, batches: Sequence[int], context: int, k: int, steps: int,
+                 use_graphs: bool) -> list[VerifyRow]:
+    """Step time of k+1 tokens per sequence against 1 token per sequence (the verify step alone; the k MTP-layer
+    forwards that draft are not in it). With graphs, only steps of at most 16 rows (what is captured)."""
+    device = model.embed.device
+    cache = model.new_cache(max(batches) + 1, context + k + 1, device, spec_slack=k)
+    sizes = sorted({b * r for b in batches for r in (1, k + 1)})
+    if use_graphs:
+        sizes = [n for n in sizes if n <= DECODE_TOKENS]
+    graphs = DecodeGraphs(model, cache, max(batches), sizes) if use_graphs else None
+    out = []
+    for b in batches:
+        if b * (k + 1) not in sizes:
+            continue
+        times = []
+        for rows in (1, k + 1):
+            batch = _verify_batch(model.cfg, b, rows, context, device)
+            if graphs is not None:
+                args = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
+                times.append(_timed(lambda: graphs.run(*args), device, steps))
+            else:
+                times.append(_timed(lambda: model.forward(batch, cache), device, steps))
+        out.append(VerifyRow(b, k, *times))
+        log.info("verify batch %d k %d: %.2f vs %.2f ms", b, k, times[1] * 1e3, times[0] * 1e3)
+    return out
+
+
 # ----------------------------------------------------------------------------------------- breakdown
 class _Recorder:
     """Calls a model part and keeps the arguments of every call, to replay them later."""
@@ -279,7 +333,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max-num-batched-tokens)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per row")
     p.add_argument("--enforce-eager", action="store_true", help="time eager steps instead of CUDA graphs")
-    p.add_argument("--no-breakdown", action="store_true", help="skip the profiled per-component step")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="also time speculative verify steps (K drafts + 1 token per sequence) at the first context")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -313,6 +369,11 @@ def _report_decode(args: argparse.Namespace, model: DeepseekV4, weights: dict[st
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s" + ("" if on_gpu else " (assumed on CPU)"))
     rows = bench_decode(model, weights, args.batch, args.context, bw, args.steps, on_gpu and not args.enforce_eager)
     print(table(DECODE_HEADER, [r.cells() for r in rows]))
+    if args.verify:
+        verify = bench_verify(model, args.batch, args.context[0], args.verify, args.steps,
+                              on_gpu and not args.enforce_eager)
+        print(f"\nspeculative verify steps, context {args.context[0]} (drafting not included):")
+        print(table(VERIFY_HEADER, [r.cells() for r in verify]))
     if not on_gpu:
         return
     if not args.no_breakdown:
