@@ -80,9 +80,9 @@ def test_interrupted_pack_resumes_and_ends_byte_identical(small_ckpt, reference_
         time.sleep(0.01)
     assert proc.poll() is None, f"pack ended before it could be interrupted: {proc.communicate()}"
     proc.send_signal(sig)
-    proc.wait(timeout=60)
+    _, err = proc.communicate(timeout=60)
     if sig == signal.SIGINT:
-        assert proc.returncode == 130 and "run the same command again to resume" in proc.stderr.read()
+        assert proc.returncode == 130 and "run the same command again to resume" in err, (proc.returncode, err[-3000:])
     done = json.loads((store / SIDECAR).read_text())["layers_complete"]
     total = json.loads((reference / SIDECAR).read_text())["shape"]["layers"]
     assert 0 < len(done) < total
