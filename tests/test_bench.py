@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from moebox.bench.decode import dense_bytes, distinct_experts, expert_bytes, _decode_batch
+from moebox.bench.decode import _step_batch, dense_bytes, distinct_experts, expert_bytes
 from moebox.bench.synthetic import synthetic_weights
 from moebox.config import parse_config
 from moebox.model.deepseek_v4 import DeepseekV4
@@ -52,7 +52,7 @@ def test_step_bytes_follow_the_routing():
     weights = synthetic_weights(cfg, "cpu", progress=False)
     model = DeepseekV4(cfg, weights.__getitem__, qat=False, dtype=torch.float32, load_mtp=False)
     cache = model.new_cache(8, 64, "cpu")
-    hits = [distinct_experts(model, _decode_batch(cfg, b, 30, "cpu", seed=b), cache) for b in (1, 8)]
+    hits = [distinct_experts(model, _step_batch(cfg, b, 30, "cpu"), cache) for b in (1, 8)]
     k = cfg.num_experts_per_tok
     assert hits[0] == cfg.num_layers * k                            # one token: k distinct experts per layer
     assert hits[0] < hits[1] <= cfg.num_layers * min(8 * k, cfg.n_routed_experts)

@@ -140,11 +140,13 @@ class DecodeRow:
 DECODE_HEADER = ["context", "batch", "weights GB", "cache GB", "step ms", "tok/s", "floor ms", "of floor"]
 
 
-def _decode_batch(cfg: ModelConfig, batch: int, context: int, device: torch.device, seed: int) -> DecodeBatch:
-    g = torch.Generator().manual_seed(seed)
-    return DecodeBatch(torch.randint(0, cfg.vocab_size, (batch,), generator=g).to(device),
-                       torch.full((batch,), context, dtype=torch.long, device=device),
-                       torch.arange(batch, device=device))
+def _step_batch(cfg: ModelConfig, batch: int, context: int, device: torch.device, rows: int = 1) -> DecodeBatch:
+    """A decode step of `batch` sequences at position `context`, `rows` consecutive tokens each (rows > 1: the
+    last token plus drafts, as a speculative verify step feeds them)."""
+    g = torch.Generator().manual_seed(batch * 100 + rows)
+    return DecodeBatch(torch.randint(0, cfg.vocab_size, (batch * rows,), generator=g).to(device),
+                       (context + torch.arange(rows)).repeat(batch).to(device),
+                       torch.arange(batch).repeat_interleave(rows).to(device))
 
 
 def bench_decode(model: DeepseekV4, weights: dict[str, object], batches: Sequence[int], contexts: Sequence[int],
@@ -155,7 +157,7 @@ def bench_decode(model: DeepseekV4, weights: dict[str, object], batches: Sequenc
         cache = model.new_cache(max(batches) + 1, context + 1, device)   # + the graphs' scratch slot
         graphs = DecodeGraphs(model, cache, max(batches), batches) if use_graphs else None
         for b in batches:
-            batch = _decode_batch(cfg, b, context, device, seed=b)
+            batch = _step_batch(cfg, b, context, device)
             if graphs is not None:
                 ids, pos, slots = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
                 step = _timed(lambda: graphs.run(ids, pos, slots), device, steps)
@@ -188,14 +190,6 @@ ACCEPTED_LENGTH = 2.6       # tokens per verify step reported for V4-Flash's MTP
 VERIFY_HEADER = ["batch", "k", "1-token step ms", "k+1-token step ms", "ratio", f"speedup at {ACCEPTED_LENGTH} tok/step"]
 
 
-def _verify_batch(cfg: ModelConfig, batch: int, rows: int, context: int, device: torch.device) -> DecodeBatch:
-    """`rows` consecutive tokens for each of `batch` sequences, as a speculative verify step feeds them."""
-    g = torch.Generator().manual_seed(batch * 100 + rows)
-    return DecodeBatch(torch.randint(0, cfg.vocab_size, (batch * rows,), generator=g).to(device),
-                       (context + torch.arange(rows)).repeat(batch).to(device),
-                       torch.arange(batch).repeat_interleave(rows).to(device))
-
-
 def bench_verify(model: DeepseekV4, batches: Sequence[int], context: int, k: int, steps: int,
                  use_graphs: bool) -> list[VerifyRow]:
     """Step time of k+1 tokens per sequence against 1 token per sequence (the verify step alone; the k MTP-layer
@@ -212,7 +206,7 @@ def bench_verify(model: DeepseekV4, batches: Sequence[int], context: int, k: int
             continue
         times = []
         for rows in (1, k + 1):
-            batch = _verify_batch(model.cfg, b, rows, context, device)
+            batch = _step_batch(model.cfg, b, context, device, rows)
             if graphs is not None:
                 args = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
                 times.append(_timed(lambda: graphs.run(*args), device, steps))
@@ -380,7 +374,7 @@ def _report_decode(args: argparse.Namespace, model: DeepseekV4, weights: dict[st
         context = args.context[0]
         for b in sorted({min(args.batch), max(args.batch)}):
             cache = model.new_cache(b, context + 1, device)
-            parts = breakdown(model, _decode_batch(cfg, b, context, device, b), cache)
+            parts = breakdown(model, _step_batch(cfg, b, context, device), cache)
             del cache
             step = next(r.step_s for r in rows if r.context == context and r.batch == b)
             parts["everything else"] = step - sum(parts.values())

@@ -86,6 +86,11 @@ class Request:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.out_ids)
 
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Prompt-then-output tokens at positions start..stop-1, without joining the whole sequence."""
+        p = len(self.prompt_ids)
+        return self.prompt_ids[start:stop] + self.out_ids[max(0, start - p):max(0, stop - p)]
+
     @property
     def prefill_done(self) -> bool:
         return self.num_prefilled >= len(self.prompt_ids)
@@ -227,7 +232,6 @@ class Engine:
                 owners.append(req)
                 decoding.append(True)
                 budget -= 1 + len(req.drafts)
-        decode_only = len(parts) == len(batch_reqs)
         k_used = self._drafted_k
         for req in batch_reqs:
             if not req.prefill_done and budget > 0:
@@ -238,6 +242,7 @@ class Engine:
                 req.num_prefilled += n
                 budget -= n
                 self.metrics.prompt_tokens.inc(n)
+        decode_only = all(decoding)
         if decode_only:            # one token per row, every row's logits: the shape-static path (graphs on CUDA)
             slots, positions, tokens = zip(*((slot, pos + i, t) for slot, pos, ids in parts for i, t in enumerate(ids)))
             if self.graphs is not None and self.graphs.fits(len(tokens)):
@@ -251,19 +256,17 @@ class Engine:
             rows = [s.offset + i for s, dec in zip(batch.segments, decoding)
                     for i in (range(s.length) if dec else [s.length - 1])]
             out = self.model.forward(batch, self.cache, logits_rows=torch.tensor(rows, device=self.device))
-        generated = self.metrics.generation_tokens._value.get()
-        self._emit(owners, parts, decoding, out.logits, out.hidden if self.drafter else None)
-        if self.spec_policy is not None and all(decoding):     # decode-only steps measure the speed of k
-            self.spec_policy.observe(len(parts), k_used, self.metrics.generation_tokens._value.get() - generated,
-                                     time.perf_counter() - started)
+        emitted = self._emit(owners, parts, decoding, out.logits, out.hidden if self.drafter else None)
+        if self.spec_policy is not None and decode_only:     # decode-only steps measure the speed of k
+            self.spec_policy.observe(len(parts), k_used, emitted, time.perf_counter() - started)
         return True
 
     def _emit(self, owners: list[Request], parts: list[tuple[int, int, list[int]]], decoding: list[bool],
-              logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+              logits: torch.Tensor, hidden: torch.Tensor | None) -> int:
         """Turn one forward's logits into tokens and events: one sampled token per finished prefill, and per
         decode part the sampled tokens up to the first draft the sampler disagrees with. With a drafter, then
-        write the verified rows into the MTP cache and draft for the next step."""
-        now, row, offset, work, drafting = time.perf_counter(), 0, 0, [], []
+        write the verified rows into the MTP cache and draft for the next step. Returns the tokens emitted."""
+        now, row, offset, total, work, drafting = time.perf_counter(), 0, 0, 0, [], []
         for req, (_, start, ids), dec in zip(owners, parts, decoding):
             n_rows = len(ids) if dec else 1
             emitted: list[int] = []
@@ -279,13 +282,14 @@ class Engine:
                     req.on_event(event)
                     if event.finish_reason or (i + 1 < len(ids) and emitted[-1] != ids[i + 1]):
                         break
+            total += len(emitted)
             if dec and len(ids) > 1:
                 self._count_drafts(ids[1:], emitted)
             row += n_rows
             if hidden is not None and req.finish_reason is None and not req.cancelled:
                 verified = len(emitted) if dec else len(ids)     # rows whose input tokens were all right
-                following = (req.prompt_ids + req.out_ids)[start + 1:start + 1 + verified]
-                work.append(DraftWork(req.slot, start, hidden[offset:offset + verified], following,
+                work.append(DraftWork(req.slot, start, hidden[offset:offset + verified],
+                                      req.tokens(start + 1, start + 1 + verified),
                                       self._draft_budget(req) if req.prefill_done else 0))
                 drafting.append(req)
             offset += len(ids)
@@ -295,6 +299,7 @@ class Engine:
                 w.k = min(w.k, self._drafted_k)
         for req, drafts in zip(drafting, self.drafter.run(work) if work else []):
             req.drafts = drafts
+        return total
 
     def _count_drafts(self, drafts: list[int], emitted: list[int]) -> None:
         """Acceptance metrics of one verified part, and a log line every LOG_EVERY_S seconds."""
