@@ -14,12 +14,13 @@ import os
 import sys
 import threading
 from pathlib import Path
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from moebox.errors import MoeboxError
 from moebox.runtime.speculative import add_flags, from_flags
-from moebox.server.app import ServerState, create_app
+
+if TYPE_CHECKING:
+    from moebox.server.app import ServerState
 
 log = logging.getLogger("moebox")
 
@@ -70,6 +71,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn                                  # here, not at import: `moebox --help`, `train` and `bench`
+    from moebox.server.app import ServerState, create_app   # run on machines without the server's packages
     from moebox import LLM
     from moebox.demo import demo_model_dir
 
