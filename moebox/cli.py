@@ -200,11 +200,15 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
     p.epilog = "Run the same command again to resume a stopped run (the settings must match)."
     p.add_argument("--run-dir", required=True, help="directory for the corpus, tokenizer, state and exported model")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--minutes", type=float, default=None,
+                   help="train for this long instead of --steps (the count is fixed after 10 timed steps and saved)")
     defaults = TrainSettings()
     for field, value in vars(defaults).items():
         flag = "--" + field.replace("_", "-")
         if field == "preset":
             p.add_argument(flag, default=value, choices=PRESETS, help="model shapes (demo: the shipped model)")
+        elif field == "precision":
+            p.add_argument(flag, default=value, choices=("bf16", "fp32"), help="on CUDA: bf16 autocast or fp32")
         else:
             p.add_argument(flag, type=type(value), default=value, help=f"default {value}")
 
@@ -212,7 +216,8 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from moebox.train.trainer import TrainSettings, train
     settings = TrainSettings(**{k: getattr(args, k) for k in vars(TrainSettings())})
-    out = train(args.run_dir, settings, device=args.device)
+    out = train(args.run_dir, settings, device=args.device,
+                budget_s=None if args.minutes is None else args.minutes * 60)
     print(f"trained model: {out}")
     return 0
 

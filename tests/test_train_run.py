@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from moebox.train.trainer import TrainSettings, train
+from moebox.train.trainer import TrainSettings, _Batches, train
 
-SETTINGS = TrainSettings(preset="tiny", steps=8, batch_tokens=300, max_doc_tokens=160, save_every=1, warmup=2,
+SETTINGS = TrainSettings(preset="tiny", steps=8, batch_tokens=300, seq_len=150, save_every=1, warmup=2,
                          n_train=60, n_heldout=8, n_eval_per_kind=2)
 FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in vars(SETTINGS).items()]
 
@@ -65,3 +65,31 @@ def test_other_settings_in_the_same_run_dir_are_refused(tmp_path):
     train(tmp_path, small, progress=False)
     with pytest.raises(MoeboxError, match="other settings"):
         train(tmp_path, replace(small, lr=1e-4), progress=False)
+
+
+def test_packed_rows_are_the_permuted_documents_back_to_back_and_resume_mid_document():
+    docs = [[d] * n for d, n in enumerate([5, 1, 7, 3, 9, 2])]
+    batches = _Batches(docs, seq_len=4, rows=3, seed=1)
+    first = batches.next()
+    assert [len(r) for r in first] == [4, 4, 4]
+    order = batches._permutation()                 # epoch 0's order (the cursor is still in epoch 0)
+    stream = [t for i in order for t in docs[i]]
+    assert sum(first, []) == stream[:12]
+    cursor = (batches.epoch, batches.pos, batches.offset)
+    assert cursor[2] > 0, "the case should stop inside a document"
+    resumed = _Batches(docs, 4, 3, 1, *cursor)
+    later = [batches.next() for _ in range(4)]     # runs past the epoch's end into a new permutation
+    assert batches.epoch == 2                      # 60 tokens read from epochs of 27
+    assert [resumed.next() for _ in range(4)] == later
+
+
+def test_a_time_budget_fixes_the_step_count_and_a_rerun_keeps_it(tmp_path):
+    from dataclasses import replace
+    import json
+    s = replace(SETTINGS, warmup=10, save_every=100)
+    out = train(tmp_path, s, progress=False, budget_s=3.0)
+    steps = json.loads((tmp_path / "settings.json").read_text())["steps"]
+    assert isinstance(steps, int) and steps >= 11
+    assert torch.load(tmp_path / "state.pt")["step"] == steps and (out / "config.json").exists()
+    again = train(tmp_path, replace(s, steps=12345), progress=False, budget_s=1000.0)   # the saved count wins
+    assert again == out and torch.load(tmp_path / "state.pt")["step"] == steps

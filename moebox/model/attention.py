@@ -19,8 +19,8 @@ from moebox.config import CSA, SLIDING, ModelConfig
 from moebox.model.batch import DecodeBatch, FlatBatch, Segment
 from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
 from moebox.model.decode_attention import attend, compress_step, index_select, window_step
-from moebox.ops.attention import sink_attention
-from moebox.ops.compress import pool_windows
+from moebox.ops.attention import local_sink_attention, sink_attention
+from moebox.ops.compress import pool, pool_windows
 from moebox.ops.linear import Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
@@ -74,6 +74,22 @@ class Compressor:
             ring_write(ring_kv, seg.slot, positions, kv)
             ring_write(ring_gate, seg.slot, positions, gate)
         return windows, entries
+
+    def fresh_entries(self, kv: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """`entries_for` of B cache-free sequences of T tokens from position 0 at once: kv/gate [B, T, C] ->
+        entries [B, T // ratio, dim]."""
+        b, t, c = kv.shape
+        r = self.ratio
+        windows = torch.arange(t // r, device=kv.device)
+        gate = gate + self.ape.float()[torch.arange(t, device=kv.device) % r]
+        rows = windows[:, None] * r + torch.arange(r, device=kv.device)[None, :]
+        if self.overlap:
+            rows = torch.cat([(rows - r).clamp(min=0), rows], dim=1)
+        nw, span = rows.shape
+        pooled = pool(kv[:, rows].reshape(b * nw, span, c), gate[:, rows].reshape(b * nw, span, c),
+                      (windows > 0).repeat(b), self.overlap)
+        e = self._finish(pooled, windows.repeat(b), out_dtype)
+        return e.view(b, nw, e.shape[-1])
 
     def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         e = apply_rope(rms_norm(pooled, self.norm, self.eps), windows * self.ratio, self.inv_freq)
@@ -136,14 +152,43 @@ class Attention:
         if isinstance(batch, DecodeBatch):
             assert cache is not None, "a DecodeBatch needs a KVCache"
             out = self._decode(batch, q, kv, comp, idx, cache)
+        elif cache is None and (t := batch.uniform_length()) is not None:
+            out = self._fresh(t, q, kv, comp, idx)
         else:
             out = torch.empty_like(q)
             for seg in batch.segments:
-                out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache)
+                out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
 
         out = apply_rope(out, pos, self.inv_freq, inverse=True)
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
+
+    # ------------------------------------------------------------------ B cache-free rows of T tokens (training)
+    def _fresh(self, t: int, q: torch.Tensor, kv: torch.Tensor, comp, idx) -> torch.Tensor:
+        """What `_segment` computes for each of B sequences of T tokens from position 0, without a cache, as
+        one batch of ops whatever B is: a training step costs the same number of kernels for 2 rows or 32."""
+        cfg = self.cfg
+        n, nh, d = q.shape
+        b = n // t
+        entries = ent_visible = None
+        if self.compressor is not None:
+            entries = self.compressor.fresh_entries(comp[0].view(b, t, -1), comp[1].view(b, t, -1), kv.dtype)
+            pos = torch.arange(t, device=q.device)
+            ent_visible = (torch.arange(entries.shape[1], device=q.device)[None, :] < ((pos + 1) // self.ratio)[:, None])
+            ent_visible = ent_visible[None]                                               # [1, T, E]
+            if self.indexer is not None:
+                qi, wi, (ikv, igate) = idx
+                keys = self.indexer.fresh_entries(ikv.view(b, t, -1), igate.view(b, t, -1), qi.dtype)
+                scores = torch.relu(torch.einsum("bthd,bed->bthe", qi.view(b, t, *qi.shape[1:]).float(),
+                                                 keys.float()))
+                scores = (scores * wi.view(b, t, -1, 1)).sum(dim=2).masked_fill(~ent_visible, float("-inf"))
+                chosen = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
+                if (k := min(cfg.index_topk, entries.shape[1])):
+                    chosen.scatter_(2, scores.topk(k, dim=-1).indices, True)
+                ent_visible = ent_visible & chosen
+        out = local_sink_attention(q.view(b, t, nh, d), kv.view(b, t, -1), cfg.sliding_window, self.sink,
+                                   cfg.head_dim ** -0.5, entries, ent_visible)
+        return out.reshape(n, nh, d)
 
     # ------------------------------------------------------------------ one sequence's keys and attention
     def _segment(self, seg: Segment, q: torch.Tensor, kv: torch.Tensor, comp, idx,

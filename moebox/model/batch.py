@@ -52,6 +52,12 @@ class FlatBatch:
     def num_tokens(self) -> int:
         return int(self.tokens.numel())
 
+    def uniform_length(self) -> int | None:
+        """T when the segments are rows of one [B, T] block, each from position 0 (a training batch); else None."""
+        t = self.segments[0].length
+        ok = all(s.start == 0 and s.length == t and s.offset == i * t for i, s in enumerate(self.segments))
+        return t if ok else None
+
     def last_rows(self) -> torch.Tensor:
         """Flat index of each segment's last token (where next-token logits come from)."""
         return torch.tensor([s.offset + s.length - 1 for s in self.segments], dtype=torch.long,

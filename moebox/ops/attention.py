@@ -22,3 +22,41 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, s
     logits = torch.cat([s, sink], dim=-1)
     p = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum(f"lhk,{k}->lhd", p, keys.float()).to(q.dtype)
+
+
+@fused
+def local_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,
+                         entries: torch.Tensor | None = None, ent_visible: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """`sink_attention` for B sequences of T tokens from position 0 at once, without a cache: q [B, T, nh, d],
+    kv [B, T, d]; token t sees keys t-window+1..t and the entries [B, E, d] where `ent_visible` [B or 1, T, E]
+    says so. -> [B, T, nh, d].
+
+    Queries go in chunks of `window` tokens, each against the keys of its own and the previous chunk, so the
+    window part costs T x 2*window scores, not T x T (what keeps a long training row affordable)."""
+    b, t, nh, d = q.shape
+    c = -(-t // window)                                                    # chunks
+    pad = c * window - t
+    qc = torch.nn.functional.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(b, c, window, nh, d)
+    kvp = torch.nn.functional.pad(kv.float(), (0, 0, window, pad))         # [B, window + c*window, d]
+    keys = kvp.unfold(1, 2 * window, window).transpose(-1, -2)             # [B, c, 2*window, d]
+    qpos = torch.arange(c * window, device=q.device).view(c, window, 1)
+    kpos = (torch.arange(c, device=q.device) * window - window).view(c, 1, 1) + torch.arange(
+        2 * window, device=q.device).view(1, 1, -1)
+    visible = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= 0)        # [c, window, 2*window]
+    s = torch.einsum("bcihd,bcjd->bcihj", qc, keys) * scale
+    s = s.masked_fill(~visible[None, :, :, None, :], float("-inf"))
+    parts = [s]
+    if entries is not None:
+        ent = entries.float()
+        se = torch.einsum("bthd,bed->bthe", q.float(), ent) * scale
+        se = se.masked_fill(~ent_visible[:, :, None, :], float("-inf"))
+        parts.append(torch.nn.functional.pad(se, (0, 0, 0, 0, 0, pad)).view(b, c, window, nh, -1))
+    parts.append(sinks.float().view(1, 1, 1, nh, 1).expand(b, c, window, nh, 1))
+    logits = torch.cat(parts, dim=-1)
+    p = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)
+    out = torch.einsum("bcihj,bcjd->bcihd", p[..., :2 * window], keys)
+    if entries is not None:
+        pe = p[..., 2 * window:-1].reshape(b, c * window, nh, -1)
+        out = out.view(b, c * window, nh, d) + torch.einsum("bthe,bed->bthd", pe, ent)
+    return out.reshape(b, c * window, nh, d)[:, :t].to(q.dtype)

@@ -2,7 +2,8 @@
 
 All mixing math runs in fp32 (as the reference does); see deepseek_v4.md §2.2 for the formulas.
 `hc_pre` / `hc_post` / `hc_head` dispatch: CUDA tensors go to the fused Triton kernels (moebox/ops/triton/mhc.py)
-when triton imports, everything else to the torch references below (`*_reference`).
+when triton imports, everything else to the torch references below (`*_reference`). Under autograd (training
+on CUDA) the references run compiled (`fused`): the Sinkhorn loop is ~100 tiny ops forward and more backward.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from moebox.ops.fuse import fused
 from moebox.ops.norm import rms_norm
 
 
@@ -50,6 +52,7 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return hc_head_reference(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
 
 
+@fused
 def hc_pre_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
                      eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
@@ -70,12 +73,14 @@ def hc_pre_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     return x, post, comb
 
 
+@fused
 def hc_post_reference(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X_new[k] = post[k] * out + sum_j comb[j, k] X[j]  (comb is applied transposed)."""
     dt = X.dtype
     return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), X)
 
 
+@fused
 def hc_head_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
                       norm_eps: float) -> torch.Tensor:
     """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j]."""

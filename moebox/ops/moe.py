@@ -73,5 +73,5 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ex
         tok = rows // idx.shape[1]
         w1, w3, w2 = experts(e)
         y = mlp(x[tok].float(), w1, w3, w2, limit, row_scale=weights.flatten()[rows])
-        out.index_add_(0, tok, y)
+        out.index_add_(0, tok, y.to(out.dtype))      # bf16 under training autocast
     return out.to(x.dtype)

@@ -7,10 +7,15 @@ continues where it stopped and a finished one is reproducible from the repo alon
   config.json      the preset's official-dialect config
   state.pt         parameters, AdamW state, step and data cursor, written atomically every `save_every` steps
   model/           the export (`moebox.train.export`) after the last step: what `moebox serve` loads
-Training runs the serving model code (`moebox.train.model`): each step packs whole documents (each one a segment
-from position 0, so they never attend to each other) up to `batch_tokens`, and minimises the next-token loss
+Training runs the serving model code (`moebox.train.model`): documents are concatenated (each starts with BOS)
+and cut into rows of `seq_len` tokens, `batch_tokens // seq_len` rows a step, each row one segment from
+position 0. Equal rows from position 0 take the model's batched cache-free attention (`Attention._fresh`), so a
+step costs the same number of kernel launches for 2 rows or 32: launches, not FLOPs, bound a step of a model
+this small on a GPU. Each step minimises the next-token loss
 plus `mtp_weight` x the MTP next-next-token loss. AdamW with linear warm-up and cosine decay to 10%, gradient
-clipping at 1.0, bf16 autocast on CUDA. Documents come in a per-epoch permutation drawn from the seed; the cursor
+clipping at 1.0. On CUDA `precision` fp32 (the default) runs TF32 matmuls: at the demo's size a step
+is bound by kernel launches, not FLOPs, and the bf16-autocast step did not finish compiling within a 4-minute
+probe on the H200. Documents come in a per-epoch permutation drawn from the seed; the cursor
 in state.pt makes a resumed run see the same batches as an uninterrupted one (bit-identical on the CPU).
 """
 
@@ -23,7 +28,7 @@ import os
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,14 +49,15 @@ log = logging.getLogger("moebox")
 @dataclass
 class TrainSettings:
     preset: str = "demo"
-    steps: int = 2000
+    steps: int = 2000                # None while a time budget (`train(budget_s=...)`) has not fixed it yet
     batch_tokens: int = 16384
-    max_doc_tokens: int = 1024       # longer documents are cut (the demo's prompts are far shorter)
+    seq_len: int = 2048              # tokens per packed row
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
     seed: int = 0
+    precision: str = "fp32"          # CUDA: fp32 with TF32 matmuls, or bf16 autocast; the CPU always runs fp32
     save_every: int = 200
     n_train: int = 20000             # corpus documents
     n_heldout: int = 2000
@@ -79,19 +85,19 @@ def _prepare(run: Path, s: TrainSettings, progress: bool) -> tuple[dict, Tokeniz
     if not cfg_path.exists():
         cfg_path.write_text(json.dumps(raw_cfg, indent=2) + "\n")
     raw_cfg = json.loads(cfg_path.read_text())
-    docs = [ids[:s.max_doc_tokens] for ids in
-            (e.ids for e in tqdm(tok.encode_batch(texts, add_special_tokens=False), desc="tokenizing",
-                                 unit="doc", disable=not progress, leave=False))
-            if len(ids) >= 3]
+    docs = [e.ids for e in tqdm(tok.encode_batch(texts, add_special_tokens=False), desc="tokenizing",
+                                unit="doc", disable=not progress, leave=False) if e.ids]
     return raw_cfg, tok, docs
 
 
 class _Batches:
-    """Whole documents, in a per-epoch permutation of the seed, packed up to `batch_tokens` per step."""
+    """Documents in a per-epoch permutation of the seed, concatenated and cut into `rows` rows of `seq_len`
+    tokens; (epoch, pos, offset) is the cursor: the document being read and how far into it."""
 
-    def __init__(self, docs: list[list[int]], batch_tokens: int, seed: int, epoch: int = 0, pos: int = 0) -> None:
-        self.docs, self.batch_tokens, self.seed = docs, batch_tokens, seed
-        self.epoch, self.pos = epoch, pos
+    def __init__(self, docs: list[list[int]], seq_len: int, rows: int, seed: int, epoch: int = 0, pos: int = 0,
+                 offset: int = 0) -> None:
+        self.docs, self.seq_len, self.rows, self.seed = docs, seq_len, rows, seed
+        self.epoch, self.pos, self.offset = epoch, pos, offset
         self._order = self._permutation()
 
     def _permutation(self) -> list[int]:
@@ -99,16 +105,21 @@ class _Batches:
         return torch.randperm(len(self.docs), generator=g).tolist()
 
     def next(self) -> list[list[int]]:
-        batch, size = [], 0
-        while not batch or size + len(self.docs[self._order[self.pos]]) <= self.batch_tokens:
-            doc = self.docs[self._order[self.pos]]
-            batch.append(doc)
-            size += len(doc)
-            self.pos += 1
-            if self.pos == len(self._order):
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._permutation()
-        return batch
+        out = []
+        for _ in range(self.rows):
+            row: list[int] = []
+            while len(row) < self.seq_len:
+                doc = self.docs[self._order[self.pos]]
+                take = doc[self.offset:self.offset + self.seq_len - len(row)]
+                row += take
+                self.offset += len(take)
+                if self.offset == len(doc):
+                    self.pos, self.offset = self.pos + 1, 0
+                    if self.pos == len(self._order):
+                        self.epoch, self.pos = self.epoch + 1, 0
+                        self._order = self._permutation()
+            out.append(row)
+        return out
 
 
 def _lr_at(step: int, s: TrainSettings) -> float:
@@ -124,12 +135,28 @@ def _save(path: Path, state: dict) -> None:
     os.replace(tmp, path)                      # a kill mid-save leaves the previous state.pt intact
 
 
-def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: bool = True) -> Path:
-    """Run (or resume) training in `run_dir`; returns the exported model directory."""
+def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: bool = True,
+          budget_s: float | None = None) -> Path:
+    """Run (or resume) training in `run_dir`; returns the exported model directory.
+
+    `budget_s`: instead of `s.steps`, train as many steps as fit in this many seconds from now. The step
+    count is fixed from the speed of steps 5..10 (before the learning-rate warm-up ends, so the schedule is
+    whole) and written to settings.json: `--steps` with that number reproduces the run, and a resumed run
+    keeps it."""
+    started = time.perf_counter()
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     settings_path = run / "settings.json"
-    if settings_path.exists() and json.loads(settings_path.read_text()) != asdict(s):
+    saved = json.loads(settings_path.read_text()) if settings_path.exists() else None
+    if budget_s is not None:
+        if s.warmup < 10:
+            raise MoeboxError(f"--minutes needs --warmup >= 10 (got {s.warmup}): the step count is fixed after "
+                              f"10 timed steps, inside the warm-up")
+        if saved is not None and saved["steps"] is not None:     # resumed: the count was fixed when it started
+            s, budget_s = replace(s, steps=saved["steps"]), None
+        else:
+            s = replace(s, steps=None)  # type: ignore[arg-type]
+    if saved is not None and saved != asdict(s):
         raise MoeboxError(f"{run}: was started with other settings ({settings_path}); use a new --run-dir or "
                           f"the same flags")
     settings_path.write_text(json.dumps(asdict(s), indent=2) + "\n")
@@ -138,7 +165,10 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
     params = init_params(cfg, seed=s.seed, device=device)
     learned = {n: p for n, p in params.items() if isinstance(p, torch.nn.Parameter)}
     opt = torch.optim.AdamW(list(learned.values()), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
-    step, batches = 0, _Batches(docs, s.batch_tokens, s.seed)
+    if s.seq_len < 3 or s.batch_tokens < s.seq_len:
+        raise MoeboxError(f"--seq-len {s.seq_len} must be >= 3 and at most --batch-tokens {s.batch_tokens}")
+    rows = s.batch_tokens // s.seq_len
+    step, batches = 0, _Batches(docs, s.seq_len, rows, s.seed)
     state_path = run / "state.pt"
     if state_path.exists():
         state = torch.load(state_path, map_location=device)
@@ -147,13 +177,16 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
                 p.copy_(state["params"][n])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
-        batches = _Batches(docs, s.batch_tokens, s.seed, state["epoch"], state["pos"])
-        log.info("resuming %s at step %d of %d", run, step, s.steps)
+        batches = _Batches(docs, s.seq_len, rows, s.seed, state["epoch"], state["pos"], state["offset"])
+        log.info("resuming %s at step %d of %s", run, step, s.steps or "a count fixed by the time budget")
     model = trainable_model(cfg, params)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    cuda = device.startswith("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = cuda and s.precision == "fp32"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and s.precision == "bf16" else nullcontext()
     bar = tqdm(total=s.steps, initial=step, desc="training", unit="step", disable=not progress)
-    t0, tokens = time.perf_counter(), 0
-    while step < s.steps:
+    t0, tokens, first = time.perf_counter(), 0, step
+    warm = None                                # (time, step) after the first steps' compilation and warm-up
+    while s.steps is None or step < s.steps:
         seqs = batches.next()
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, s)
@@ -167,13 +200,28 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
         step += 1
         tokens += sum(len(q) for q in seqs)
         bar.update(1)
+        if step == first + 5:
+            warm = (time.perf_counter(), step)
+        if s.steps is None and step == first + 10:
+            now = time.perf_counter()
+            per_step = (now - warm[0]) / (step - warm[1])
+            s = replace(s, steps=max(step + 1, step + int((budget_s - (now - started)) / per_step)))
+            settings_path.write_text(json.dumps(asdict(s), indent=2) + "\n")
+            bar.total = s.steps
+            log.info("time budget %.0f s at %.3f s/step: %d steps (--steps %d reproduces this run)", budget_s,
+                     per_step, s.steps, s.steps)
         bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{mtp.item():.3f}",
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if step % s.save_every == 0 or step == s.steps:
             _save(state_path, {"params": {n: p.detach() for n, p in learned.items()}, "optimizer": opt.state_dict(),
-                               "step": step, "epoch": batches.epoch, "pos": batches.pos})
+                               "step": step, "epoch": batches.epoch, "pos": batches.pos,
+                               "offset": batches.offset})
             log.info("step %d: loss %.4f, mtp %.4f (saved %s)", step, main.item(), mtp.item(), state_path)
     bar.close()
+    if warm is not None and step > warm[1]:
+        per_step = (time.perf_counter() - warm[0]) / (step - warm[1])
+        log.info("trained steps %d..%d: %.3f s/step after warm-up (%.0f tok/s)", first, step, per_step,
+                 rows * s.seq_len / per_step)
     out = run / "model"
     if not out.exists():                       # export next to it, then rename: never a half-written model/
         tmp = run / "model.tmp"
