@@ -65,11 +65,36 @@ def test_greedy_tokens_equal_plain_decoding_with_acceptances(repeating_model, k)
     assert sum(by_position) == accepted and by_position == sorted(by_position, reverse=True)
 
 
-def test_seeded_sampling_equals_plain_decoding(repeating_model):
+def test_seeded_speculative_sampling_is_reproducible(repeating_model):
+    """Drafts are sampled with the request's generator, so a seed fixes the whole output (not the same tokens
+    as plain decoding, which draws from the generator in another order: the distribution is what is equal)."""
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
-    plain, _ = _generate(repeating_model, None, params)
-    spec, _ = _generate(repeating_model, {"num_speculative_tokens": 2}, params)
-    assert spec == plain
+    spec = {"num_speculative_tokens": 2, "adaptive": False}
+    first, llm = _generate(repeating_model, spec, params)
+    assert llm.engine.metrics.spec_accepted._value.get() > 0
+    assert _generate(repeating_model, spec, params)[0] == first
+    assert _generate(repeating_model, spec, SamplingParams(max_tokens=40, temperature=0.8, seed=8,
+                                                             ignore_eos=True))[0] != first
+
+
+def test_the_accept_or_resample_step_yields_the_target_distribution():
+    """verify_draft with a draft drawn from q returns tokens distributed as p, for a q far from p, and keeps the
+    draft at the rate sum_x min(p(x), q(x)) that speculative sampling promises."""
+    from moebox.runtime.sampler import verify_draft
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    q = torch.tensor([0.1, 0.2, 0.3, 0.2, 0.2])
+    g = torch.Generator().manual_seed(0)
+    n, kept, counts = 20000, 0, torch.zeros(5)
+    for d in torch.multinomial(q, n, replacement=True, generator=g).tolist():
+        t = verify_draft(p, q, d, g)
+        kept += t == d
+        counts[t] += 1
+    expected = p * n
+    stat = (((counts - expected) ** 2)[p > 0] / expected[p > 0]).sum()
+    p_value = float(torch.special.gammaincc(torch.tensor(1.5, dtype=torch.float64), stat.double() / 2))   # df 3
+    print(f"\ncounts {counts.tolist()}, chi-square p = {p_value:.3f}, kept {kept / n:.3f}")
+    assert counts[4] == 0 and p_value > 0.001
+    assert abs(kept / n - float(torch.minimum(p, q).sum())) < 0.015
 
 
 def test_a_separate_head_directory_drafts_for_a_dspark_checkpoint(tiny_copy, tiny_ckpt):

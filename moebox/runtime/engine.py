@@ -25,7 +25,7 @@ from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.runtime import graphs
 from moebox.runtime.metrics import EngineMetrics
 from moebox.runtime.speculative import DraftWork, MTPDrafter, SpecPolicy
-from moebox.runtime.sampler import SamplingParams, sample_token
+from moebox.runtime.sampler import SamplingParams, sample_token, token_probs, verify_draft
 
 log = logging.getLogger("moebox")
 LOG_EVERY_S = 10.0      # period of the speculative-decoding acceptance log line
@@ -81,6 +81,7 @@ class Request:
     generator: torch.Generator | None = None
     pending_forced: deque[int] = field(default_factory=deque)
     drafts: list[int] = field(default_factory=list)      # MTP drafts to verify at the next step
+    draft_probs: list[torch.Tensor] | None = None         # the q each draft was sampled from (None: greedy)
 
     @property
     def length(self) -> int:
@@ -274,7 +275,8 @@ class Engine:
                 for i in range(n_rows):
                     if req.cancelled:
                         break
-                    event = self._advance(req, logits[row + i], now)
+                    q = req.draft_probs[i] if dec and req.draft_probs and i + 1 < len(ids) else None
+                    event = self._advance(req, logits[row + i], now, (ids[i + 1], q) if q is not None else None)
                     emitted.append(req.out_ids[-1])
                     if event.finish_reason:
                         with self._lock:
@@ -290,7 +292,8 @@ class Engine:
                 verified = len(emitted) if dec else len(ids)     # rows whose input tokens were all right
                 work.append(DraftWork(req.slot, start, hidden[offset:offset + verified],
                                       req.tokens(start + 1, start + 1 + verified),
-                                      self._draft_budget(req) if req.prefill_done else 0))
+                                      self._draft_budget(req) if req.prefill_done else 0,
+                                      req.params, req.generator or self._generator))
                 drafting.append(req)
             offset += len(ids)
         if work:
@@ -298,7 +301,7 @@ class Engine:
             for w in work:
                 w.k = min(w.k, self._drafted_k)
         for req, drafts in zip(drafting, self.drafter.run(work) if work else []):
-            req.drafts = drafts
+            req.drafts, req.draft_probs = drafts.tokens, drafts.probs
         return total
 
     def _count_drafts(self, drafts: list[int], emitted: list[int]) -> None:
@@ -322,13 +325,22 @@ class Engine:
         return max(0, min(self.spec_k, self.max_model_len - req.length, req.params.max_tokens - len(req.out_ids) - 1))
 
     # ------------------------------------------------------------------ sampling and output
-    def _advance(self, req: Request, row: torch.Tensor, now: float) -> Event:
-        """Sample (or take the forced) next token, detokenize, apply stops. Touches only `req` (engine thread)."""
+    def _advance(self, req: Request, row: torch.Tensor, now: float,
+                 draft: tuple[int, torch.Tensor] | None = None) -> Event:
+        """Sample (or take the forced) next token, detokenize, apply stops. Touches only `req` (engine thread).
+        `draft`: a sampled MTP draft for this position and the q it came from: speculative sampling keeps it or
+        draws another token, distributed as a plain sample either way."""
         p = req.params
         if req.presence_penalty or req.frequency_penalty:
             row = apply_penalties(row, req.out_ids, req.presence_penalty, req.frequency_penalty)
         forced = bool(req.pending_forced)
-        token = req.pending_forced.popleft() if forced else sample_token(row, p, req.generator or self._generator)
+        gen = req.generator or self._generator
+        if forced:
+            token = req.pending_forced.popleft()
+        elif draft is not None and p.temperature > 0:
+            token = verify_draft(token_probs(row, p), draft[1], draft[0], gen)
+        else:
+            token = sample_token(row, p, gen)
         lp = None
         if req.logprobs is not None:
             logp = torch.log_softmax(row.float(), dim=-1)

@@ -57,8 +57,27 @@ def filtered_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+def token_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled token is drawn from (temperature > 0), on the CPU: [V] fp32."""
+    return torch.softmax(filtered_logits(logits, p), dim=-1).cpu()
+
+
 def sample_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     if p.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(filtered_logits(logits, p), dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return int(torch.multinomial(token_probs(logits, p), 1, generator=generator))
+
+
+def verify_draft(target: torch.Tensor, draft_probs: torch.Tensor, draft: int,
+                 generator: torch.Generator | None) -> int:
+    """Speculative sampling's step for one drafted token (Leviathan et al. 2023, Chen et al. 2023): keep the draft
+    with probability min(1, p(d)/q(d)), else draw from the residual max(0, p - q), renormalised. Whatever q
+    is, the token returned is distributed exactly as p (`target`); a rejected draft never comes back, since the
+    residual is 0 wherever q >= p. target, draft_probs: [V] on the CPU; `draft` was drawn from draft_probs."""
+    pd, qd = float(target[draft]), float(draft_probs[draft])
+    if qd > 0 and float(torch.rand((), generator=generator)) * qd < pd:
+        return draft
+    residual = (target - draft_probs).clamp(min=0)
+    if float(residual.sum()) <= 0:          # p == q up to rounding: any draft would have been kept
+        return draft
+    return int(torch.multinomial(residual, 1, generator=generator))

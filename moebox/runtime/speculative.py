@@ -15,7 +15,7 @@ keeps its distribution. (Rejection sampling would accept more drafts at high tem
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from moebox.errors import MoeboxError
 from moebox.model.batch import FlatBatch
 from moebox.model.cache import KVCache
 from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.runtime.sampler import SamplingParams, token_probs
 from moebox.weights.checkpoint import Checkpoint
 from moebox.weights.schema import official_schema
 
@@ -114,39 +115,61 @@ class DraftWork:
     hidden: torch.Tensor       # [n, hc, H] the main model's final residuals at positions start..start+n-1
     next_tokens: list[int]     # the token at position p+1 for each row p
     k: int                     # drafts wanted after the last row (0: only write the rows)
+    params: SamplingParams | None = None       # temperature > 0: drafts are sampled from the head's q
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Drafts:
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] | None = None    # per draft, the q it was sampled from ([V], CPU); None: greedy
 
 
 class MTPDrafter:
     """Drafts with DeepSeek's MTP block: the row at position t reads the main residual at t and token t+1 and
-    predicts token t+2; drafts after the first chain the block's own residual (vLLM's convention). Chained rows
+    predicts token t+2; drafts after the first chain the block's own residual (vLLM's convention). Greedy
+    requests get the head's argmax; sampling requests a sample of its distribution q under the request's own
+    temperature/top-k/top-p, and q, which verification needs (`sampler.verify_draft`). Chained rows
     are written at positions the next call overwrites with verified rows first, so rejected drafts leave
     nothing behind (the MTP window ring has the cache's speculative slack)."""
 
     def __init__(self, model: DeepseekV4, cache: KVCache) -> None:
         self.model, self.cache = model, cache
 
-    def run(self, work: list[DraftWork]) -> list[list[int]]:
+    def run(self, work: list[DraftWork]) -> list[Drafts]:
         if not work:
             return []
         device = work[0].hidden.device
         batch = FlatBatch.build([(w.slot, w.start, w.next_tokens) for w in work], device)
         out = self.model.mtp_forward(torch.cat([w.hidden for w in work]), batch, self.cache)
-        drafts: list[list[int]] = [[] for _ in work]
+        drafts = [Drafts(probs=[] if w.params is not None and w.params.temperature > 0 else None) for w in work]
         live = [i for i, w in enumerate(work) if w.k >= 1]
         last = out.hidden[batch.last_rows()]
-        firsts = out.logits.argmax(-1).tolist()
         state = {i: (work[i].start + len(work[i].next_tokens), last[i]) for i in live}   # next row, residual
-        for i in live:
-            drafts[i].append(firsts[i])
+        self._draw([(i, out.logits[i]) for i in live], work, drafts)
         depth = 1
         while live := [i for i in live if work[i].k > depth]:
-            chain = FlatBatch.build([(work[i].slot, state[i][0], [drafts[i][-1]]) for i in live], device)
+            chain = FlatBatch.build([(work[i].slot, state[i][0], [drafts[i].tokens[-1]]) for i in live], device)
             o = self.model.mtp_forward(torch.stack([state[i][1] for i in live]), chain, self.cache)
-            for j, (i, tok) in enumerate(zip(live, o.logits.argmax(-1).tolist())):
-                drafts[i].append(tok)
+            self._draw(list(zip(live, o.logits)), work, drafts)
+            for j, i in enumerate(live):
                 state[i] = (state[i][0] + 1, o.hidden[j])
             depth += 1
         return drafts
+
+    @staticmethod
+    def _draw(rows: list[tuple[int, torch.Tensor]], work: list[DraftWork], drafts: list[Drafts]) -> None:
+        """One more draft per sequence: the argmax (greedy requests) or a sample of q, kept for verification."""
+        greedy = [i for i, _ in rows if drafts[i].probs is None]
+        if greedy:
+            top = torch.stack([lg for i, lg in rows if drafts[i].probs is None]).argmax(-1).tolist()
+            for i, tok in zip(greedy, top):
+                drafts[i].tokens.append(tok)
+        for i, logits in rows:
+            if drafts[i].probs is not None:
+                q = token_probs(logits, work[i].params)
+                drafts[i].tokens.append(int(torch.multinomial(q, 1, generator=work[i].generator)))
+                drafts[i].probs.append(q)
 
 
 def batch_bucket(n: int) -> int:
