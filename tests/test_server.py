@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+import moebox
 from tests.servers import start_server
 
 
@@ -19,12 +22,14 @@ def client(demo_server) -> openai.OpenAI:
 
 
 HELLO = [{"role": "user", "content": "Hello there"}]
+DEMO_MAX_LEN = json.loads((Path(moebox.__file__).parent / "demo_model" / "config.json").read_text())[
+    "max_position_embeddings"]
 
 
 def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["moebox-demo"]
-    assert models[0].max_model_len == 1024                   # an extra field clients use
+    assert models[0].max_model_len == DEMO_MAX_LEN           # an extra field clients use
     assert client.models.retrieve("moebox-demo").id == "moebox-demo"
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-17")
@@ -81,12 +86,12 @@ def test_completions(client):
 
 def test_context_length_exceeded_has_the_wording_agents_grep_for(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="moebox-demo", messages=[{"role": "user", "content": "x " * 3000}],
+        client.chat.completions.create(model="moebox-demo", messages=[{"role": "user", "content": "x " * DEMO_MAX_LEN}],
                                        max_tokens=10)
     assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
-    assert "maximum context length is 1024 tokens" in e.value.body["message"]
+    assert f"maximum context length is {DEMO_MAX_LEN} tokens" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="moebox-demo", messages=HELLO, max_tokens=5000)
+        client.chat.completions.create(model="moebox-demo", messages=HELLO, max_tokens=DEMO_MAX_LEN + 1)
     assert e.value.body["code"] == "context_length_exceeded"
 
 

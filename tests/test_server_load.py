@@ -373,8 +373,8 @@ def test_admission_control_503_past_the_queue(tiny_queue_server: Server) -> None
         assert status == 503, (status, body)
         assert isinstance(body, dict) and body["type"] == "service_unavailable_error" and body["message"], body
         assert body["code"] == "server_busy"
-    for _, finish, tokens in done:
-        assert finish == "length" and tokens == max_tokens
+    for _, finish, tokens in done:    # "stop" when the message was complete before the budget ran out
+        assert finish in ("length", "stop") and tokens == max_tokens
     assert server.metric("moebox_requests_rejected_total") == len(rejected)
 
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200

@@ -7,6 +7,7 @@ for a free cache slot, prefill in chunks, and decode together in one flat batch 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -15,6 +16,7 @@ from typing import Sequence
 
 import torch
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
 from moebox.config import load_config
 from moebox.errors import MoeboxError
@@ -128,8 +130,10 @@ class LLM:
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion through the continuous-batching engine (on this thread)."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False, desc: str = "generating") -> list[RequestOutput]:
+        """Run every prompt to completion through the continuous-batching engine (on this thread); `use_tqdm`
+        shows finished requests and output tokens/s (vLLM's flag)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else \
@@ -144,16 +148,24 @@ class LLM:
             outputs.append(out)
             reqs.append(Request(f"offline-{uuid.uuid4().hex}-{i}", self.engine.check_prompt(ids, p.max_tokens), p,
                                 partial(_collect, out)))
+        bar = tqdm(total=len(reqs), desc=desc, unit="req", disable=not use_tqdm)
+        started = time.perf_counter()
         try:
             for req in reqs:
                 self.engine.submit(req)
             while self.engine.has_work():
                 self.engine.step()
+                if use_tqdm:
+                    tokens = sum(len(o.token_ids) for o in outputs)
+                    bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - started):.0f}", refresh=False)
+                    bar.update(sum(r.finish_reason is not None for r in reqs) - bar.n)
         except BaseException:                      # leave the engine clean for the next call
             for req in reqs:
                 self.engine.cancel(req.id)
             self.engine.step()
             raise
+        finally:
+            bar.close()
         return [RequestOutput(p if isinstance(p, str) else None, r.prompt_ids, [o])
                 for p, r, o in zip(prompts, reqs, outputs)]
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from moebox.server.parsers import parse_completion
 from moebox.train.data import CHAT_KINDS, KINDS, TEXT_KINDS, EvalRecord, eval_records
@@ -87,7 +88,7 @@ def _token_ids(llm, text: str) -> list[int]:
 def text_logits(llm, records: list[EvalRecord]) -> list[tuple[torch.Tensor, list[int]]]:
     """Per held-out chunk: next-token logits over the chunk's tokens and those tokens (after the prompt)."""
     out = []
-    for rec in records:
+    for rec in tqdm(records, desc="held-out text", unit="chunk", leave=False):
         prompt, ids = _token_ids(llm, rec.prompt), _token_ids(llm, rec.completion)
         full = (prompt + ids)[:llm.max_model_len]
         logits = llm.logits(full)[len(prompt) - 1:-1].float().cpu()
@@ -101,7 +102,8 @@ def evaluate(llm, records: list[EvalRecord], experts: str, max_tokens: int = 192
     report = Report(experts)
     chat = [r for r in records if r.kind in CHAT_KINDS]
     outs = llm.generate([_token_ids(llm, r.prompt)[:llm.max_model_len - max_tokens] for r in chat],
-                        SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_special_tokens=False))
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_special_tokens=False),
+                        use_tqdm=True, desc=f"{experts}: chat items")
     scores = [(r, score(r, o.outputs[0].text)) for r, o in zip(chat, outs)]
     for kind in CHAT_KINDS:
         got = [s for r, s in scores if r.kind == kind]
@@ -139,7 +141,8 @@ def mtp_acceptance(model: str | Path, records: list[EvalRecord], k: int, experts
               speculative_config={"num_speculative_tokens": k, "adaptive": False})
     chat = [r for r in records if r.kind in CHAT_KINDS]
     llm.generate([_token_ids(llm, r.prompt)[:llm.max_model_len - max_tokens] for r in chat],
-                 SamplingParams(max_tokens=max_tokens, temperature=0.0))
+                 SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=True,
+                 desc=f"{experts}: MTP k={k}")
     m = llm.engine.metrics
     steps, drafted, accepted = (c._value.get() for c in (m.spec_steps, m.spec_drafted, m.spec_accepted))
     return {f"MTP k={k} mean accepted length": 1 + accepted / max(steps, 1),
