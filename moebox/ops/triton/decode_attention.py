@@ -1,0 +1,670 @@
+"""The decode step's attention read (`attend` of moebox/model/decode_attention.py) as one fused Triton kernel
+plus a small combine kernel: flash-decoding for DeepSeek-V4's MQA (one shared K=V head), reading the keys
+through their indices straight from the window ring and the compressed-entry table.
+
+What it computes (`attend_triton`, = `attend_reference`): per sequence b of a decode batch (one query token
+each), q [B, nh, d] attends over its keys, which are also the values:
+  - the window: ring rows ring[slot[b], 0..R) (R = window + speculative slack), those with window_visible[b, r];
+  - in compressed layers, entry rows entries[slot[b], rows[b, j]] with valid[b, j] (CSA: the indexer's top-k
+    rows [B, k]; HCA: rows None (or [1, E] = arange) and valid [B, E]: the whole table).
+  s = (q . k) * scale in fp32 (keys rounded to q's dtype first, as the reference's `.to(q.dtype)`), masked keys
+  -> -inf; o = sum_j exp(s_j - M) k_j / (sum_j exp(s_j - M) + exp(sink_h - M)), cast to q's dtype. The sink
+  only enlarges the denominator; a sequence whose keys are all masked gets o = 0, as in the reference.
+
+Why: the compiled torch `attend` gathers the selected entry rows into a new [B, k, d] tensor, concatenates it
+with the window keys (which `window_step` already copied out of the ring) and runs both einsums on fp32
+operands: at V4-Flash (nh 64, d 512, R 128 + slack, k 512) and B = 16 that is ~10.5 MB of bf16 keys per CSA
+layer, read, copied and widened several times over. Here each key row is read once, from where it is stored.
+
+Kernel 1, `_attend_kernel`, grid (B, SPLIT, head groups): program (b, s, g) takes sequence b, the heads
+  [g*HB, (g+1)*HB) and the s-th contiguous range of key tiles of BLOCK_K keys (window tiles first, then entry
+  tiles; a tile never mixes the two, so ring and table may have different storage dtypes). Per tile it loads
+  the key rows [BLOCK_K, d] through slot / rows (masked keys are not loaded: zeros, so garbage or -1 padding
+  in unwritten or invalid rows cannot leak), scores them against the q block [HB, d] with ONE tl.dot over the
+  whole d (d = 512 is a fine K dimension for the MMA: no d loop for the scores), updates the running max m and
+  sum l per head (online softmax; m starts at the sink logit, so it is always finite and exp(-inf - m) = 0
+  needs no special case) and accumulates acc [HB, d] += p @ K with the same key tile (K = V).
+  Pipelining: a tile's masks (and entry rows) are loaded one iteration ahead and carried, so the key load
+  depends on no load of its own iteration and Triton's pipeliner issues it num_stages - 1 tiles ahead with
+  cp.async (with the masks loaded in-iteration it is not pipelined at all: no LDGSTS in the SASS).
+  Precision: q and the keys enter the MMA in q's dtype (bf16/fp16 products are exact in fp32, accumulated in
+  fp32: the reference's fp32 einsum up to summation order); p [HB, BLOCK_K] fp32 is split as p_hi + p_lo, both
+  in the 16-bit dtype, and multiplied in two MMAs (a relative error ~2^-17 instead of bf16's 2^-9); fp32 q
+  uses fp32 "ieee" dots (a correctness path: at d = 512 it spills heavily). With SPLIT = 1 the program
+  normalises and writes the output itself (one launch); otherwise it writes (acc, m, l) to fp32 partials
+  [B, SPLIT, nh, d] / [B, SPLIT, nh].
+Kernel 2, `_combine_kernel`, grid (B, head blocks, d blocks): M = max_s m_s (>= the sink), L = sum_s l_s
+  exp(m_s - M) + exp(sink - M), o = sum_s acc_s exp(m_s - M) / L, splits summed in a fixed order
+  (deterministic, no atomics, nothing to zero).
+
+The [nh, d] accumulator: with all 64 heads of a V4-Flash sequence in one program it is 64 x 512 fp32 = 128 KB,
+more than a program's registers can hold beside the q block (64 KB bf16) and a key tile: built for sm_90 it
+spills ~7.6 KB a thread (`sass_report(AttendConfig(heads=64, ...))`). Two ways to split it: by d columns
+(every program must still compute the full-d scores of its keys, so the QK^T work and the key-tile reads
+repeat per column chunk) or by heads (each score is computed once; only the key tile is re-read, from L2,
+once per head group). This kernel splits by heads: `AttendConfig.heads` heads per program (HB, a power of two
+>= 16, the mma.sync M), acc [HB, d] in registers. Split-K over keys (SPLIT key ranges per sequence) then fills
+the GPU: the automatic SPLIT aims at `waves` x SMs programs with every split the same number of tiles; more
+splits cost partial traffic (SPLIT x nh x d x 4 bytes per sequence, written and read back, mostly in L2), so a
+split keeps at least `min_tiles` tiles.
+Default (V4-Flash, bf16): 16 heads x 32 keys a tile, 4 warps, 3 stages; built for sm_90 with Triton 3.9:
+240 registers (2 programs an SM), no spills, 82 KB shared memory, HMMA for all three dots, cp.async key tiles.
+At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is 11 / 7 / 3 splits = 44 / 112 / 192 programs. NOT YET TIMED on
+a GPU: `--sweep` times the alternatives in SWEEP; pick the default from it.
+
+Bounds (`supported`): q [B, nh, d] fp32/bf16/fp16 with d % 16 == 0 and 16 <= d <= 1024 (padded to a power of
+two in registers), any nh (padded to a multiple of HB with masks), ring [S, R, d] and entries [S, E, d] plain
+tensors (not the FP8/FP4 row objects of model/cache.py) of fp32/bf16/fp16 with unit stride on d, slot [B]
+int32/int64, window_visible bool [B, R], rows int32/int64 [B, k] or [1, k] (or None: all E rows), valid bool
+[B, k], sink [nh]; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (fp32/fp16 q only: the interpreter's
+bf16 dot is wrong). Anything else: callers take the torch path (`attend_decode` does that).
+
+Wiring (not done yet; after GPU validation). `Attention._decode` would call it like this:
+
+    cfg, pos, slot = self.cfg, batch.positions, batch.slots
+    # window_mask: a new @fused function, window_step without the key copy (ring store + visibility mask)
+    visible = window_mask(kv, pos, slot, cache.window, cfg.sliding_window)
+    scale = cfg.head_dim ** -0.5
+    entries = rows = valid = None
+    if self.compressor is not None:
+        valid = self._compress(self.compressor, comp, batch, ...)                  # as today
+        if self.indexer is not None:
+            ...                                                                    # as today
+            rows, valid = index_select(qi, wi, cache.index_keys, slot, valid, cfg.index_topk)
+        entries = cache.entries                                                    # HCA: rows stays None
+    return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid)
+
+`attend_decode` is exactly the dispatch: `attend_triton` where `supported` says so, else the torch path as
+today (`attend(q, cache.window[slot].to(q.dtype), ...)` with rows = arange for HCA). FP8-layout caches
+(kv_cache_dtype="fp8": FP8Rows objects) and CPU tensors take the torch path. The ring store must precede the
+kernel's read (same stream: it does).
+
+CUDA graphs: a call allocates its output (unless given `out`) and the partials with torch.empty and launches
+1 or 2 kernels; no host sync, no data-dependent shapes (the split is chosen from shapes alone).
+`python -m moebox.ops.triton.decode_attention [--batch 1 4 16] [--kind csa hca sliding] [--sweep]` times it
+against the compiled torch `attend` at the V4-Flash shape in CUDA-graph replay (`--sass`: the sm_90 build
+report per tiling, no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+
+from moebox.ops.cuda_graphs import capture
+from moebox.ops.triton.runtime import HAVE_TRITON, interpreting, num_sms, tl, triton  # noqa: F401
+
+__all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
+           "attend_decode", "random_inputs", "sass_report", "bench", "sweep"]
+
+
+@dataclass(frozen=True)
+class AttendConfig:
+    """Tiling of `_attend_kernel`: `heads` heads per program (0 = all; rounded up to a power of two >= 16),
+    BLOCK_K = `block_k` keys per tile, `split` key ranges per sequence (0 = automatic: about `waves` x SMs
+    programs, at least `min_tiles` tiles per split), num_warps / num_stages of the main kernel; the combine
+    kernel takes `combine_heads` heads x `combine_block_d` columns per program."""
+
+    heads: int = 16
+    block_k: int = 32
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: float = 1.0
+    min_tiles: int = 2
+    combine_heads: int = 16
+    combine_block_d: int = 128
+
+
+DEFAULT_CONFIG = AttendConfig()
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def _head_block(heads: int, nh: int) -> int:
+    """Heads per program: a power of two >= 16 (the MMA's smallest M), no more than nh rounded up."""
+    return max(16, min(_pow2(heads or nh), _pow2(nh)))
+
+
+def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
+    """cfg with heads resolved (`_head_block`) and split 0 replaced by the automatic choice: about
+    cfg.waves x sms programs over (batch x head groups x split) with at least cfg.min_tiles tiles per split.
+    Either way every split gets the same number of tiles (the last may have fewer, none has 0)."""
+    hb = _head_block(cfg.heads, nh)
+    tiles = max(1, tiles)
+    if cfg.split:
+        per = _cdiv(tiles, min(cfg.split, tiles))
+    else:
+        target = _cdiv(max(1, int(cfg.waves * sms)), max(1, batch) * _cdiv(nh, hb))
+        per = max(cfg.min_tiles, _cdiv(tiles, target), 1)
+    return replace(cfg, heads=hb, split=_cdiv(tiles, per))
+
+
+def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
+    """The default tiling for a call (`DEFAULT_CONFIG` resolved)."""
+    return resolve_config(DEFAULT_CONFIG, batch, nh, tiles, sms)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+if HAVE_TRITON:
+    @triton.jit
+    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, SPLIT_P: tl.constexpr):
+        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]."""
+        k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32) * scale         # [HB, BK]
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))          # m starts at the sink: always finite
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if SPLIT_P:   # p = hi + lo in the 16-bit dtype: two exact-product MMAs, ~2^-17 relative error
+            hi = p.to(k.dtype)
+            lo = (p - hi.to(tl.float32)).to(k.dtype)
+            acc = tl.dot(hi, k, acc, out_dtype=tl.float32)
+            acc = tl.dot(lo, k, acc, out_dtype=tl.float32)
+        else:
+            acc = tl.dot(p, k, acc, input_precision="ieee", out_dtype=tl.float32)
+        return acc, m_new, l
+
+    @triton.jit
+    def _attend_kernel(q_ptr, ring_ptr, slot_ptr, wvis_ptr, ent_ptr, rows_ptr, valid_ptr, sink_ptr,
+                       out_ptr, po_ptr, pm_ptr, pl_ptr,
+                       NH, R, KE, NW, NT, TILES_PER_SPLIT, NSPLIT, scale,
+                       s_qb, s_qh, s_rs, s_rr, s_wb, s_es, s_er, s_rowb, s_vb, s_ob, s_oh,
+                       D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
+                       HAS_ENT: tl.constexpr,
+                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr):
+        """Program (b, s, g): sequence b, heads [g*HB, (g+1)*HB), key tiles [s*TPS, (s+1)*TPS) of the NT tiles
+        (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials."""
+        b = tl.program_id(0).to(tl.int64)
+        sp = tl.program_id(1)
+        offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
+        offs_d = tl.arange(0, D_PAD)
+        offs_k = tl.arange(0, BLOCK_K)
+        mh = offs_h < NH
+        md = offs_d < D
+        q = tl.load(q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :], mask=mh[:, None] & md[None, :],
+                    other=0.0)
+        sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+        m = sink
+        l = tl.zeros([HB], dtype=tl.float32)
+        acc = tl.zeros([HB, D_PAD], dtype=tl.float32)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        t0 = sp * TILES_PER_SPLIT
+        t1 = tl.minimum(t0 + TILES_PER_SPLIT, NT)
+        # The masks (and entry rows) of tile t+1 are loaded in iteration t and carried: a tile's key load then
+        # depends on no load of its own iteration, so Triton's pipeliner issues it num_stages - 1 iterations
+        # ahead (cp.async into shared memory); with them loaded in-iteration it is not pipelined at all.
+        ring_b = ring_ptr + slot * s_rs + offs_d[None, :]
+        kk = t0 * BLOCK_K + offs_k
+        vis = (kk < R) & (tl.load(wvis_ptr + b * s_wb + kk, mask=kk < R, other=0) != 0)
+        for t in range(t0, tl.minimum(t1, NW)):
+            kk = t * BLOCK_K + offs_k
+            kn = kk + BLOCK_K
+            vis_n = (kn < R) & (tl.load(wvis_ptr + b * s_wb + kn, mask=kn < R, other=0) != 0)
+            acc, m, l = _tile(q, acc, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md, scale, SPLIT_P)
+            vis = vis_n
+        if HAS_ENT:
+            ent_b = ent_ptr + slot * s_es + offs_d[None, :]
+            e0 = tl.maximum(t0, NW)
+            e = (e0 - NW) * BLOCK_K + offs_k
+            ok = (e < KE) & (tl.load(valid_ptr + b * s_vb + e, mask=e < KE, other=0) != 0)
+            if ALL_ROWS:
+                row = e.to(tl.int64)
+            else:   # the rows of invalid keys are not read (e.g. -1 padding)
+                row = tl.load(rows_ptr + b * s_rowb + e, mask=ok, other=0).to(tl.int64)
+            for t in range(e0, t1):
+                en = (t + 1 - NW) * BLOCK_K + offs_k
+                ok_n = (en < KE) & (tl.load(valid_ptr + b * s_vb + en, mask=en < KE, other=0) != 0)
+                if ALL_ROWS:
+                    row_n = en.to(tl.int64)
+                else:
+                    row_n = tl.load(rows_ptr + b * s_rowb + en, mask=ok_n, other=0).to(tl.int64)
+                acc, m, l = _tile(q, acc, m, l, ent_b + row[:, None] * s_er, ok, md, scale, SPLIT_P)
+                ok = ok_n
+                row = row_n
+        mhd = mh[:, None] & md[None, :]
+        if FINAL:
+            o = acc / (l + tl.exp(sink - m))[:, None]
+            tl.store(out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=mhd)
+        else:
+            row_p = (b * NSPLIT + sp) * NH + offs_h                                  # [HB] of [B, SPLIT, nh]
+            tl.store(pm_ptr + row_p, m, mask=mh)
+            tl.store(pl_ptr + row_p, l, mask=mh)
+            tl.store(po_ptr + row_p.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=mhd)
+
+    @triton.jit
+    def _combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, NH, NSPLIT, s_ob, s_oh,
+                        D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, S_PAD: tl.constexpr):
+        """out[b, heads, cols] from the SPLIT partials of sequence b, summed in split order."""
+        b = tl.program_id(0).to(tl.int64)
+        offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+        offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
+        offs_s = tl.arange(0, S_PAD)
+        mh = offs_h < NH
+        md = offs_d < D
+        ms = offs_s < NSPLIT
+        rows = (b * NSPLIT + offs_s[:, None]) * NH + offs_h[None, :]                     # [S_PAD, HB]
+        msh = ms[:, None] & mh[None, :]
+        pm = tl.load(pm_ptr + rows, mask=msh, other=float("-inf"))
+        pl = tl.load(pl_ptr + rows, mask=msh, other=0.0)
+        sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+        big = tl.maximum(tl.max(pm, axis=0), sink)          # = max_s m_s (each m_s >= sink); finite
+        den = tl.sum(pl * tl.exp(pm - big[None, :]), axis=0) + tl.exp(sink - big)
+        acc = tl.zeros([HB, BD], dtype=tl.float32)
+        mhd = mh[:, None] & md[None, :]
+        for s in range(0, NSPLIT):
+            row_s = (b * NSPLIT + s) * NH + offs_h
+            w = tl.exp(tl.load(pm_ptr + row_s, mask=mh, other=0.0) - big)
+            o = tl.load(po_ptr + row_s.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mhd, other=0.0)
+            acc += o * w[:, None]
+        out = acc / den[:, None]
+        tl.store(out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mhd)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+def _is_plain(t: object, dims: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == dims
+
+
+def supported(q: torch.Tensor, ring: object, slot: torch.Tensor, window_visible: torch.Tensor,
+              sink: torch.Tensor, entries: object = None, rows: torch.Tensor | None = None,
+              valid: torch.Tensor | None = None) -> bool:
+    """Whether `attend_triton` takes these arguments (see the module docstring's Bounds); callers fall back to
+    the torch path (`attend_reference`) otherwise."""
+    if not HAVE_TRITON or not _is_plain(q, 3) or q.dtype not in _DTYPES:
+        return False
+    if q.device.type == "cuda":
+        pass
+    elif not (interpreting() and q.device.type == "cpu" and q.dtype != torch.bfloat16):
+        return False
+    b, nh, d = q.shape
+    if d % 16 or not 16 <= d <= 1024 or nh < 1:
+        return False
+    dev = q.device
+
+    def table(t: object) -> bool:
+        return (_is_plain(t, 3) and t.dtype in _DTYPES and t.shape[2] == d and t.stride(2) == 1
+                and t.device == dev)
+
+    if not table(ring) or ring.shape[1] < 1:
+        return False
+    if not (_is_plain(slot, 1) and slot.dtype in _INDEX_DTYPES and slot.shape[0] == b and slot.device == dev):
+        return False
+    if not (_is_plain(window_visible, 2) and window_visible.dtype == torch.bool
+            and tuple(window_visible.shape) == (b, ring.shape[1]) and window_visible.device == dev):
+        return False
+    if not isinstance(sink, torch.Tensor) or sink.numel() != nh or sink.dtype not in _DTYPES or sink.device != dev:
+        return False
+    if entries is None:
+        return rows is None and valid is None
+    if not table(entries) or not (_is_plain(valid, 2) and valid.dtype == torch.bool and valid.device == dev):
+        return False
+    k = valid.shape[1]
+    if valid.shape[0] != b:
+        return False
+    if rows is None:
+        return k == entries.shape[1]
+    return (_is_plain(rows, 2) and rows.dtype in _INDEX_DTYPES and rows.shape[0] in (1, b) and rows.shape[1] == k
+            and rows.device == dev)
+
+
+def _contig_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, window_visible: torch.Tensor,
+                  sink: torch.Tensor, scale: float, entries: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None, valid: torch.Tensor | None = None, *,
+                  out: torch.Tensor | None = None, config: AttendConfig | None = None) -> torch.Tensor:
+    """Sink attention of q [B, nh, d] over each sequence's window ring rows ring[slot] (masked by
+    window_visible [B, R]) plus, when `entries` is given, the rows `rows` [B, k] / [1, k] (None: all E rows) of
+    entries[slot] masked by `valid` [B, k]: what `attend_reference` computes, without materialising the keys.
+    -> [B, nh, d] in q's dtype (into `out` when given: contiguous on the last dim). Runs on CUDA, or on CPU
+    tensors under TRITON_INTERPRET=1; raises ValueError where `supported` is False."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    if not supported(q, ring, slot, window_visible, sink, entries, rows, valid):
+        raise ValueError(f"unsupported arguments: q {tuple(q.shape)} {q.dtype} on {q.device}, ring "
+                         f"{getattr(ring, 'shape', type(ring))}, entries {getattr(entries, 'shape', type(entries))}"
+                         f" rows {None if rows is None else tuple(rows.shape)} (see `supported`)")
+    b, nh, d = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif tuple(out.shape) != (b, nh, d) or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
+        raise ValueError(f"out must be [{b}, {nh}, {d}] {q.dtype} on {q.device} with unit stride on d, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if b == 0:
+        return out
+    q = _contig_last(q)
+    r = ring.shape[1]
+    has_ent = entries is not None
+    ke = valid.shape[1] if has_ent else 0
+    cfg0 = config or DEFAULT_CONFIG
+    nw, ne = _cdiv(r, cfg0.block_k), _cdiv(ke, cfg0.block_k)
+    cfg = resolve_config(cfg0, b, nh, nw + ne, num_sms(q.device))
+    tps = _cdiv(nw + ne, cfg.split)          # tiles per split (resolve_config: none empty)
+    hb, d_pad = cfg.heads, max(16, _pow2(d))
+    wvis = _contig_last(window_visible).view(torch.uint8)
+    sink = sink.reshape(nh)
+    sink = _contig_last(sink)
+    if has_ent:
+        vmask = _contig_last(valid).view(torch.uint8)
+        all_rows = rows is None
+        rws = vmask if all_rows else _contig_last(rows)
+        s_rowb = 0 if all_rows or rws.shape[0] == 1 else rws.stride(0)
+        ent, s_es, s_er, s_vb = entries, entries.stride(0), entries.stride(1), vmask.stride(0)
+    else:
+        ent, rws, vmask, all_rows, s_rowb, s_es, s_er, s_vb = ring, wvis, wvis, True, 0, 0, 0, 0
+    final = cfg.split == 1
+    if final:
+        po = pm = pl = out     # unused
+    else:
+        po = torch.empty((b, cfg.split, nh, d), dtype=torch.float32, device=q.device)
+        pm = torch.empty((b, cfg.split, nh), dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    _attend_kernel[(b, cfg.split, _cdiv(nh, hb))](
+        q, ring, slot, wvis, ent, rws, vmask, sink, out, po, pm, pl,
+        nh, r, ke, nw, nw + ne, tps, cfg.split, float(scale),
+        q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
+        out.stride(0), out.stride(1),
+        D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
+        SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not final:
+        chb = max(1, min(_pow2(cfg.combine_heads), _pow2(nh)))
+        cbd = min(_pow2(cfg.combine_block_d), d_pad)
+        _combine_kernel[(b, _cdiv(nh, chb), _cdiv(d, cbd))](
+            po, pm, pl, sink, out, nh, cfg.split, out.stride(0), out.stride(1),
+            D=d, HB=chb, BD=cbd, S_PAD=_pow2(cfg.split), num_warps=4)
+    return out
+
+
+def attend_reference(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: torch.Tensor, sink: torch.Tensor,
+                     scale: float, entries=None, rows: torch.Tensor | None = None,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch path: `attend(q, ring[slot].to(q.dtype), window_visible, sink, scale, entries, slot, rows,
+    valid)` (rows None: all rows of the table)."""
+    from moebox.model.decode_attention import attend
+    keys = ring[slot].to(q.dtype)
+    if entries is None:
+        return attend(q, keys, window_visible, sink, scale)
+    if rows is None:
+        rows = torch.arange(valid.shape[1], device=q.device)[None, :]
+    return attend(q, keys, window_visible, sink, scale, entries, slot, rows, valid)
+
+
+def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: torch.Tensor, sink: torch.Tensor,
+                  scale: float, entries=None, rows: torch.Tensor | None = None,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The dispatch the model will use: `attend_triton` where `supported`, else `attend_reference`."""
+    if supported(q, ring, slot, window_visible, sink, entries, rows, valid):
+        return attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
+    return attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+def random_inputs(batch: int, nh: int = 64, d: int = 512, ring_rows: int = 130, window: int = 128,
+                  table_rows: int = 4097, k: int | None = 512, kind: str = "csa", slots: int | None = None,
+                  dtype: torch.dtype = torch.bfloat16, q_dtype: torch.dtype | None = None,
+                  device: torch.device | str = "cuda", seed: int = 0, masked: Sequence[int] = (),
+                  fill: float = 1.0) -> dict:
+    """Keyword arguments of `attend_triton` (minus config/out) for one decode step, V4-Flash-shaped by default:
+    kind "sliding" (window only), "csa" (k distinct random rows of a table_rows-row table, a random prefix of
+    them valid — the valid rows first, as the indexer's top-k returns them) or "hca" (rows None: all
+    table_rows rows, a random prefix valid). Sequence b uses slot 2b + 1 of `slots` (default 2B + 1).
+    Keys ~N(0, 1) (RMS-normed rows) stored in `dtype`, q ~N(0, 1.5^2) in q_dtype (default dtype) so the
+    scaled scores spread over several units, sinks ~N(0, 1) with one large one (+6), window positions at random
+    (`fill` = the fraction of the window that is visible, the newest first). Sequences listed in `masked`
+    see no key at all (output 0). Tensors on `device`."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q_dtype = q_dtype or dtype
+    slots = slots or 2 * batch + 1
+    kw = dict(generator=g, device=device)
+    q = (1.5 * torch.randn((batch, nh, d), **kw)).to(q_dtype)
+    ring = torch.randn((slots, ring_rows, d), **kw).to(dtype)
+    slot = (2 * torch.arange(batch, device=device) + 1) % slots
+    pos = torch.randint(0, 4 * window, (batch,), **kw)
+    kpos = pos[:, None] - (pos[:, None] - torch.arange(ring_rows, device=device)[None, :]) % ring_rows
+    lim = max(1, int(round(fill * window)))
+    vis = (kpos > pos[:, None] - lim) & (kpos >= 0)
+    sink = torch.randn((nh,), **kw)
+    sink[nh // 2] += 6.0
+    out: dict = dict(q=q, ring=ring, slot=slot, window_visible=vis, sink=sink, scale=d ** -0.5)
+    valid = None
+    if kind != "sliding":
+        out["entries"] = torch.randn((slots, table_rows, d), **kw).to(dtype)
+        kk = (k if k is not None else table_rows) if kind == "csa" else table_rows
+        nvalid = torch.randint(1, kk + 1, (batch,), **kw)
+        nvalid[0] = kk
+        valid = torch.arange(kk, device=device)[None, :] < nvalid[:, None]
+        rows = None
+        if kind == "csa":
+            rows = torch.stack([torch.randperm(table_rows, **kw)[:kk] for _ in range(batch)])
+        out.update(rows=rows, valid=valid)
+    for i in masked:
+        vis[i] = False
+        if valid is not None:
+            valid[i] = False
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- sm_90 build
+def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: str = "csa",
+                dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Build `_attend_kernel` for sm_90 at the V4-Flash shape (nh 64, d 512, R 130, k 512 of 4097 rows, or
+    HCA / sliding) on any machine with Triton's NVIDIA backend (no GPU needed), specialised as a real launch
+    would be (integers divisible by 16 marked so), and report registers, spill stack, shared memory, and the
+    SASS counts that matter: HMMA/HGMMA (tensor cores), LDGSTS (cp.async: the key tiles pipelined),
+    16-byte vs 2-byte global loads, local-memory traffic."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ring_rows, table_rows, k = V4_SHAPES[kind]
+    nh, d = 64, 512
+    ke = 0 if kind == "sliding" else (k or table_rows)
+    nw, ne = _cdiv(ring_rows, config.block_k), _cdiv(ke, config.block_k)
+    cfg = resolve_config(config, batch, nh, nw + ne)
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    ptrs = dict(q_ptr=ty, ring_ptr=ty, slot_ptr="i64", wvis_ptr="u8", ent_ptr=ty, rows_ptr="i64", valid_ptr="u8",
+                sink_ptr="fp32", out_ptr=ty, po_ptr="fp32", pm_ptr="fp32", pl_ptr="fp32")
+    ints = dict(NH=nh, R=ring_rows, KE=ke, NW=nw, NT=nw + ne, TILES_PER_SPLIT=_cdiv(nw + ne, cfg.split),
+                NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
+                s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
+    const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=_pow2(d), HAS_ENT=kind != "sliding",
+                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1)
+    fn = _attend_kernel
+    names = fn.arg_names
+    sig = {}
+    for a in names:
+        sig[a] = ("*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "constexpr" if a in const
+                  else "i32")
+    aligned = [(names.index(a),) for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
+    src = ASTSource(fn, sig, constexprs={(names.index(a),): v for a, v in const.items()},
+                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        dump = [subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True, text=True,
+                               check=True).stdout for flag in ("--dump-sass", "--dump-resource-usage")]
+    ops = collections.Counter(re.findall(r"\b(HGMMA|HMMA|LDGSTS|LDL|STL|LDG\.E\.128|LDG\.E\.U16|LDG\.E\.64|"
+                                         r"LDG\.E(?=[ .]))", dump[0]))
+    ptx = compiled.asm["ptx"]
+    return {"config": cfg, "registers": int(re.search(r"REG:(\d+)", dump[1]).group(1)),
+            "spills": int(re.search(r"STACK:(\d+)", dump[1]).group(1)), "shared": compiled.metadata.shared,
+            "sass": dict(ops), "ptx_ld_v4": ptx.count("ld.global.v4"), "ptx_ld_b16": ptx.count("ld.global.b16"),
+            "ptx_cp_async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))}
+
+
+# ----------------------------------------------------------------------------------------------- bench
+V4_SHAPES = {   # kind -> (ring rows, table rows, k): V4-Flash, window 128 + 2 speculative rows
+    "csa": (130, 4097, 512),     # 16K context / ratio 4 (+ the scratch row), the indexer's top-512
+    "hca": (130, 513, None),     # 64K context / ratio 128 (+ scratch): all rows
+    "sliding": (130, 0, None),
+}
+
+
+def key_bytes(inp: dict) -> int:
+    """Bytes of key rows a call reads (every window row and selected/all entry row, masked or not)."""
+    b = inp["q"].shape[0]
+    n = inp["ring"].shape[1] * inp["ring"].element_size() * b
+    if inp.get("entries") is not None:
+        n += inp["valid"].shape[1] * inp["entries"].element_size() * b
+    return n * inp["q"].shape[2]
+
+
+def _graph_us(calls: Sequence[Callable[[], object]], rep: int = 100) -> float:
+    """Per-call time (us) of `calls` captured back to back in one CUDA graph, replayed."""
+    graph, _ = capture(lambda: [c() for c in calls])
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep)
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
+          kinds: Sequence[str] = ("csa", "hca", "sliding"), configs: Sequence[tuple[str, AttendConfig]] = (
+              ("default", DEFAULT_CONFIG),), torch_ref: bool = True, l2_miss_bytes: int = 192 << 20,
+          max_copies: int = 256, quiet: bool = False) -> list[dict]:
+    """The V4-Flash decode attention read (nh 64, d 512, bf16 storage, everything visible) per kind and batch:
+    fused kernel(s) vs the compiled torch path (the ring gather `ring[slot]` of window_step + `attend`), each
+    as a CUDA graph of `copies` back-to-back calls on distinct slots (key bytes >= l2_miss_bytes in all, so the
+    keys come from DRAM as consecutive layers' would). GB/s = key bytes read / time. Prints a table."""
+    from moebox.model.decode_attention import attend
+    device = torch.device(device)
+    rows_out = []
+    if not quiet:
+        print(f"decode attention, V4-Flash nh=64 d=512 bf16; CUDA-graph replay, keys cycled past L2\n"
+              f"{'kind':8s} {'B':>3s} {'config':16s} {'key MB':>7s} {'copies':>6s} | {'fused us':>8s} {'GB/s':>6s} | "
+              f"{'torch us':>8s} {'GB/s':>6s} | {'speedup':>7s} rel err", flush=True)
+    for kind in kinds:
+        ring_rows, table_rows, k = V4_SHAPES[kind]
+        for b in batches:
+            kb = b * (ring_rows + (0 if kind == "sliding" else k or table_rows)) * 512 * 2
+            copies = max(1, min(max_copies, _cdiv(l2_miss_bytes, kb)))
+            inp = random_inputs(b, ring_rows=ring_rows, table_rows=max(table_rows, 1), k=k, kind=kind,
+                                slots=b * copies, device=device, seed=b)
+            for name in ("window_visible", "valid"):
+                if inp.get(name) is not None:
+                    inp[name].fill_(True)
+            slots = [torch.arange(i * b, (i + 1) * b, device=device) for i in range(copies)]
+            args = {n: v for n, v in inp.items() if n != "slot"}
+            assert key_bytes(inp) == kb
+            ref = attend_reference(slot=slots[0], **args).float()
+            if torch_ref:
+                def torch_call(s, a=args):
+                    keys = a["ring"][s]
+                    if a.get("entries") is None:
+                        return attend(a["q"], keys, a["window_visible"], a["sink"], a["scale"])
+                    rws = a["rows"] if a["rows"] is not None else torch.arange(a["valid"].shape[1],
+                                                                              device=device)[None, :]
+                    return attend(a["q"], keys, a["window_visible"], a["sink"], a["scale"], a["entries"], s, rws,
+                                  a["valid"])
+                us_ref = _graph_us([lambda s=s: torch_call(s) for s in slots])
+            else:
+                us_ref = float("nan")
+            for cname, cfg in configs:
+                outs = [torch.empty_like(inp["q"]) for _ in range(min(copies, 4))]
+                got = attend_triton(slot=slots[0], **args, config=cfg, out=outs[0])
+                err = _rel(got, ref)
+                fns = [lambda s=s, o=outs[i % len(outs)], a=args, c=cfg: attend_triton(slot=s, **a, config=c, out=o)
+                       for i, s in enumerate(slots)]
+                us = _graph_us(fns)
+                row = dict(kind=kind, B=b, config=cname, key_bytes=kb, copies=copies, us=us, GB_s=kb / us / 1e3,
+                           torch_us=us_ref, torch_GB_s=kb / us_ref / 1e3, rel_err=err)
+                rows_out.append(row)
+                if not quiet:
+                    print(f"{kind:8s} {b:3d} {cname:16s} {kb / 1e6:7.2f} {copies:6d} | {us:8.2f} {row['GB_s']:6.0f} | "
+                          f"{us_ref:8.2f} {row['torch_GB_s']:6.0f} | {us_ref / us:6.1f}x {err:.1e}", flush=True)
+            del inp, args, slots
+            torch.cuda.empty_cache()
+    return rows_out
+
+
+def _sweep_name(c: AttendConfig) -> str:
+    return (f"h{c.heads}k{c.block_k}w{c.num_warps}s{c.num_stages}" + (f"x{c.waves:g}" if c.waves != 1 else "")
+            + (f"t{c.min_tiles}" if c.min_tiles != 2 else ""))
+
+
+SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in (
+    AttendConfig(heads=16, block_k=32, num_warps=4, num_stages=2),
+    AttendConfig(heads=16, block_k=16, num_warps=4, num_stages=3),
+    AttendConfig(heads=16, block_k=16, num_warps=4, num_stages=4),
+    AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=3),
+    AttendConfig(heads=32, block_k=32, num_warps=8, num_stages=3),
+    AttendConfig(heads=32, block_k=16, num_warps=8, num_stages=4),
+    AttendConfig(heads=64, block_k=16, num_warps=8, num_stages=3),
+    AttendConfig(waves=2.0), AttendConfig(waves=2.0, min_tiles=1), AttendConfig(waves=0.5, min_tiles=4)))
+
+
+def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16)) -> None:
+    """Tilings around the default (fused only, CSA): which to make the default."""
+    for name, cfg in SWEEP:
+        try:
+            rows = bench(device, batches=batches, kinds=("csa",), configs=((name, cfg),), torch_ref=False,
+                         quiet=True)
+        except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources: report, go on
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        print(f"{name:14s} " + "  ".join(f"B={r['B']} {r['us']:7.2f} us {r['GB_s']:5.0f} GB/s" for r in rows),
+              flush=True)
+
+
+def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moebox.ops.triton.decode_attention",
+                                description="Time the fused decode attention read vs the compiled torch attend "
+                                            "at the V4-Flash shape (CUDA-graph replay).")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16], help="batch sizes (default 1 4 16)")
+    p.add_argument("--kind", nargs="+", default=["csa", "hca", "sliding"], choices=sorted(V4_SHAPES),
+                   help="layer kinds (default all)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch reference timing")
+    p.add_argument("--sweep", action="store_true", help="also time the tilings of SWEEP (CSA, fused only)")
+    p.add_argument("--sass", action="store_true", help="only build the kernel for sm_90 and report registers, "
+                                                       "spills and SASS counts per SWEEP tiling (no GPU needed)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse(argv)
+    if args.sass:
+        for name, cfg in (("default", DEFAULT_CONFIG), *SWEEP):
+            rep = sass_report(cfg)
+            print(f"{name:14s} regs {rep['registers']:3d} spill {rep['spills']:5d} smem {rep['shared']:6d} "
+                  f"cp.async {rep['ptx_cp_async']:3d} {rep['sass']}", flush=True)
+        return
+    print(f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}", flush=True)
+    if not (HAVE_TRITON and torch.cuda.is_available()):
+        raise SystemExit("the bench needs CUDA and triton")
+    bench(batches=args.batch, kinds=args.kind, torch_ref=not args.no_torch)
+    if args.sweep:
+        sweep(batches=args.batch)
+
+
+if __name__ == "__main__":  # python -m moebox.ops.triton.decode_attention [--batch 1 4 16] [--sweep] [--sass]
+    main()
