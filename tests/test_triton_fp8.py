@@ -9,6 +9,9 @@
   with the default picks and N in {1, 3, 16} with the GEMV forced, bf16 and fp32 x, weights from
   `quant_fp8_block` of random floats whose magnitude differs per 128x128 block, outputs poisoned with NaN before
   each run (and two runs bitwise equal); forced tilings of both kernels, fp16 x, strided x, CUDA-graph replay.
+- The grouped call (`fp8_grouped_linear`, one launch for g groups): the reference against a dense einsum, its
+  argument checks and the bench's command line on CPU; tiny shapes in the interpreter; on the GPU the V4-Flash
+  wo_a shape and a small one, strided x and out views, forced tilings, CUDA-graph replay, `grouped_linear`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import moebox.ops.triton.fp8_linear as fp8_mod
-from moebox.ops.triton.fp8_linear import (BLOCK, GEMV_MAX_N, V4_FLASH_SHAPES, Fp8Config, fp8_linear,
+from moebox.ops.triton.fp8_linear import (BLOCK, GEMV_MAX_N, V4_FLASH_GROUPED, V4_FLASH_SHAPES, Fp8Config,
+                                          fp8_grouped_linear, fp8_grouped_linear_reference, fp8_linear,
                                           fp8_linear_reference, pick_config, resolve_split)
 from moebox.weights.formats import QuantTensor, quant_fp8_block
 
@@ -386,3 +390,246 @@ def test_gpu_cuda_graph_replay() -> None:
         for x, w, o in zip(xs, ws, outs):
             ref = fp8_linear_reference(x.float(), w)
             assert torch.isfinite(o).all() and rel_err(o, ref) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------ grouped
+def _dense_grouped(x: torch.Tensor, w: QuantTensor, groups: int) -> torch.Tensor:
+    """The grouped product on the dequantized weight, in fp32."""
+    dense = w.dequantize(torch.float32).view(groups, w.data.shape[0] // groups, -1)
+    return torch.einsum("ngk,grk->ngr", x.float(), dense)
+
+
+def test_grouped_reference_on_cpu() -> None:
+    from moebox.ops.linear import grouped_linear
+    for groups, rows, in_f in ((2, 128, 200), (3, 256, 128), (1, 128, 300)):
+        w = block_weight(groups * rows, in_f, seed=groups)
+        x = torch.randn(5, groups, in_f)
+        ref = fp8_grouped_linear_reference(x, w, groups)
+        assert ref.shape == (5, groups, rows) and ref.dtype == torch.float32
+        assert rel_err(ref, _dense_grouped(x, w, groups)) < 1e-6
+        for i in range(groups):  # group i is fp8_linear_reference on its own rows, bit for bit
+            s0 = i * rows // BLOCK
+            part = QuantTensor("fp8", w.data[i * rows:(i + 1) * rows], w.scale[s0:s0 + rows // BLOCK])
+            assert torch.equal(ref[:, i], fp8_linear_reference(x[:, i], part))
+        assert torch.equal(fp8_grouped_linear(x, w, groups), ref)  # the dispatcher off CUDA
+        assert rel_err(grouped_linear(x, w, groups), ref) < 1e-6  # the CPU fallback (einsum)
+        # bf16 x into a poisoned out view (a slice of a wider buffer: group and row strides of its own)
+        xb = x.bfloat16()
+        big = torch.full((5, groups + 1, rows + 64), float("nan"), dtype=torch.bfloat16)
+        out = big[:, 1:, 32:32 + rows]
+        y = fp8_grouped_linear(xb, w, groups, out=out)
+        assert y.data_ptr() == out.data_ptr() and y.dtype == torch.bfloat16
+        assert torch.equal(out, _dense_grouped(xb, w, groups).bfloat16())
+        assert big[:, 0].isnan().all() and big[:, :, :32].isnan().all() and big[:, :, 32 + rows:].isnan().all()
+    empty = fp8_grouped_linear_reference(torch.randn(0, 2, 200), block_weight(256, 200), 2)
+    assert empty.shape == (0, 2, 128)
+
+
+def test_grouped_argument_checks() -> None:
+    w = block_weight(256, 200)
+    x = torch.randn(3, 2, 200)
+    for bad_x, groups in ((torch.randn(3, 400), 2), (torch.randn(3, 2, 100), 2), (x, 3), (torch.randn(3, 1, 200), 2),
+                          (x, 0)):
+        with pytest.raises(ValueError):
+            fp8_grouped_linear_reference(bad_x, w, groups)
+    with pytest.raises(ValueError, match=r"multiple of 128.*\(260, 200\) in 2 groups"):  # 130 rows a group
+        fp8_grouped_linear_reference(x, block_weight(260, 200), 2)
+    with pytest.raises(ValueError, match="multiple of 128"):  # 256 rows do not split into 3 groups
+        fp8_grouped_linear_reference(torch.randn(3, 3, 200), w, 3)
+    for out in (torch.empty(3, 2, 129), torch.empty(3, 256), torch.empty(3, 2, 128, dtype=torch.float16),
+                torch.empty(3, 128, 2).transpose(1, 2)):
+        with pytest.raises(ValueError):
+            fp8_grouped_linear_reference(x, w, 2, out=out)
+    with pytest.raises(ValueError):
+        fp8_grouped_linear_reference(x, QuantTensor("fp8", w.data, w.scale, (1, 128)), 2)
+    with pytest.raises(ValueError):
+        fp8_grouped_linear_reference(x, QuantTensor("fp8", w.data, w.scale[:1]), 2)
+    with pytest.raises(TypeError):
+        fp8_grouped_linear_reference(x, torch.randn(256, 200), 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_grouped_triton_rejects_before_launch() -> None:
+    from moebox.ops.triton.fp8_linear import fp8_grouped_linear_triton
+    w = block_weight(256, 200)
+    x = torch.randn(3, 2, 200)
+    with pytest.raises(ValueError, match="block_o 256 must divide the 128 rows"):
+        fp8_grouped_linear_triton(x, w, 2, config=Fp8Config(16, 256))
+    with pytest.raises(ValueError):
+        fp8_grouped_linear_triton(x.to(torch.float64), w, 2)
+    with pytest.raises(ValueError):
+        fp8_grouped_linear_triton(x, block_weight(260, 200), 2)
+
+
+def test_bench_command_line() -> None:
+    """`python -m moebox.ops.triton.fp8_linear` parses its options (it runs on an H200, not here)."""
+    args = fp8_mod._parser().parse_args(["--grouped", "--tokens", "1", "4", "16", "--groups", "4", "--rows", "256"])
+    assert args.grouped and args.tokens == [1, 4, 16] and (args.groups, args.rows) == (4, 256)
+    assert args.in_features == V4_FLASH_GROUPED[3] and not args.sweep
+    assert fp8_mod._parser().parse_args([]).groups == V4_FLASH_GROUPED[1]
+    with pytest.raises(SystemExit, match="multiple of 128"):
+        fp8_mod.main(["--grouped", "--rows", "100"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            fp8_mod.main(["--grouped"])
+
+
+_GROUPED_INTERPRETER_CHECK = textwrap.dedent("""
+    import json, os, sys, torch
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, sys.argv[1])
+    from moebox.ops.triton.fp8_linear import Fp8Config, fp8_grouped_linear_reference, fp8_grouped_linear_triton
+    from tests.test_triton_fp8 import block_weight
+    torch.manual_seed(0)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}
+    gemv = lambda bn, bo, bk, split=0: Fp8Config(bn, bo, split, 4, 1, kernel="gemv", block_k=bk)
+    results = []
+
+    def check(case, x, w, groups, cfg, out=None):
+        n, rows = x.shape[0], w.data.shape[0] // groups
+        poisoned = torch.full((n, groups, rows), float("nan"), dtype=x.dtype) if out is None else out
+        y = fp8_grouped_linear_triton(x, w, groups, out=poisoned, config=cfg)
+        ref = fp8_grouped_linear_reference(x.float(), w, groups)
+        err = (y.float() - ref).abs()
+        # every element: written (finite) and within tol of the largest output
+        assert torch.isfinite(y).all(), (case, int((~torch.isfinite(y)).sum()))
+        assert float(err.max()) <= 4 * tol[x.dtype] * float(ref.abs().max()), (case, float(err.max()))
+        results.append(dict(case=case, same_buffer=y.data_ptr() == poisoned.data_ptr(), finite=True,
+                            rel=float((y.float() - ref).norm() / ref.norm()), ref_norm=float(ref.norm()),
+                            tol=tol[x.dtype]))
+
+    # g in {2, 3}, R = 128, in in {128, 256} (one or two scale columns), N in {1, 3, 20}, fp32 and fp16 x: the GEMV
+    # at N = 1, 3 (64 rows per program, 2 programs per group; split-K 2 when there are 2 K steps; one token block
+    # or two), the default prefill tile (the dot kernel, 64 x 128) at N = 20
+    for groups in (2, 3):
+        for in_f in (128, 256):
+            w = block_weight(groups * 128, in_f, seed=groups + in_f)
+            for n in (1, 3, 20):
+                for dtype in (torch.float32, torch.float16):
+                    cfg = gemv(2 if n == 3 else 1, 64, 128, split=in_f // 128) if n <= 3 else None
+                    check([groups, in_f, n, str(dtype), str(cfg)], torch.randn(n, groups, in_f).to(dtype), w,
+                          groups, cfg)
+    # a partial K block: the GEMV with one masked step (16 rows per program), then the dot decode tile with
+    # split-K (the split sum writes the groups), the GEMV with split-K and the prefill tile, x with group and
+    # row strides of its own and out a view of a wider poisoned buffer, whose other elements must stay NaN
+    check("partial step", torch.randn(1, 2, 200), block_weight(2 * 128, 200, seed=6), 2, gemv(1, 16, 256))
+    w = block_weight(3 * 128, 200, seed=7)
+    for cfg in (Fp8Config(16, 32, 2), gemv(4, 32, 128, split=2), Fp8Config(64, 128, 1)):
+        xw = torch.randn(5, 4, 264)
+        big = torch.full((5, 4, 160), float("nan"))
+        out = big[:, 1:, 16:144]
+        check(["strided", str(cfg)], xw[:, :3, 40:240], w, 3, cfg, out=out)
+        assert big[:, 0].isnan().all() and big[:, :, :16].isnan().all() and big[:, :, 144:].isnan().all()
+    print("RESULT " + json.dumps(results))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_grouped_in_triton_interpreter() -> None:
+    """The grouped call on tiny shapes in Triton's CPU interpreter, vs the reference, every element checked."""
+    check_in_interpreter(_GROUPED_INTERPRETER_CHECK)
+
+
+GROUPED_SHAPES = [V4_FLASH_GROUPED, ("small", 3, 256, 200)]
+
+
+def _grouped_gpu_weight(groups: int, rows: int, in_f: int) -> QuantTensor:
+    return _gpu_weight(groups * rows, in_f)
+
+
+def _check_gpu_grouped(w: QuantTensor, groups: int, n: int, dtype: torch.dtype, config: Fp8Config | None = None,
+                       x: torch.Tensor | None = None, tol: float | None = None, view: bool = False) -> torch.Tensor:
+    """fp8_grouped_linear_triton against the fp32 reference, twice into a poisoned out (with `view`, a view of a
+    wider poisoned buffer whose other elements must stay NaN); every element finite and within 4 x tol of the
+    largest output, the two runs bitwise equal."""
+    from moebox.ops.triton.fp8_linear import fp8_grouped_linear_triton
+    out_f, in_f = w.data.shape
+    rows = out_f // groups
+    if x is None:
+        x = torch.randn(n, groups, in_f, device="cuda").to(dtype)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = fp8_grouped_linear_reference(x.float(), w, groups)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    if tol is None:
+        tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
+    ys = []
+    for _ in range(2):
+        big = torch.full((n, groups + 1, rows + 256) if view else (n, groups, rows), float("nan"), device="cuda",
+                         dtype=dtype)
+        out = big[:, 1:, 128:128 + rows] if view else big
+        y = fp8_grouped_linear_triton(x, w, groups, out=out, config=config)
+        torch.cuda.synchronize()
+        assert y.data_ptr() == out.data_ptr() and y.dtype == dtype and y.shape == (n, groups, rows)
+        assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} elements not written or not finite"
+        assert rel_err(y, ref) < tol, (rel_err(y, ref), tol)
+        assert float((y.float() - ref).abs().max()) <= 4 * tol * float(ref.abs().max())
+        if view:
+            assert big[:, 0].isnan().all() and big[:, :, :128].isnan().all() and big[:, :, 128 + rows:].isnan().all()
+        ys.append(y.clone())
+    assert torch.equal(ys[0], ys[1])
+    return ys[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n", [1, 3, 16, 64])
+@pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=[s[0] for s in GROUPED_SHAPES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_matches_reference(shape: tuple, n: int, dtype: torch.dtype) -> None:
+    _, groups, rows, in_f = shape
+    _check_gpu_grouped(_grouped_gpu_weight(groups, rows, in_f), groups, n, dtype)
+
+
+@pytest.mark.parametrize("config", [None, Fp8Config(1, 1, 0, 4, 1, kernel="gemv", block_k=4096),
+                                    Fp8Config(4, 16, 3, 4, 3, kernel="gemv", block_k=512),
+                                    Fp8Config(16, 32, 0, 4, 4), Fp8Config(16, 64, 4, 4, 4),
+                                    Fp8Config(64, 128, 2, 4, 3), Fp8Config(128, 128, 0, 8, 3)], ids=str)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_strided_and_forced(config: Fp8Config | None) -> None:
+    """Forced tilings (GEMV and dot, split-K through the grouped split sum) with x and out as views: x a slice
+    of a wider tensor (group and row strides of its own), out a slice of a wider poisoned buffer."""
+    for _, groups, rows, in_f in GROUPED_SHAPES:
+        w = _grouped_gpu_weight(groups, rows, in_f)
+        for n in (1, 3, 17):
+            for dtype in (torch.bfloat16, torch.float16):
+                wide = torch.randn(n, groups + 2, in_f + 64, device="cuda").to(dtype)
+                _check_gpu_grouped(w, groups, n, dtype, config=config, x=wide[:, 1:groups + 1, 32:32 + in_f],
+                                   view=True)
+        fp32_ok = config is None or config.block_n * config.block_o <= 64 * 128   # as test_gpu_forced_tilings
+        _check_gpu_grouped(w, groups, 3, torch.float32, config=config if fp32_ok else None, view=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_linear_dispatch_and_graph() -> None:
+    """`grouped_linear` on CUDA runs the grouped kernel (equal to it bit for bit, and to the reference within
+    tolerance), and the grouped call replays from a CUDA graph with new x."""
+    from moebox.ops.linear import grouped_linear
+    from moebox.ops.triton.fp8_linear import fp8_grouped_linear_triton
+    _, groups, rows, in_f = V4_FLASH_GROUPED
+    w = _grouped_gpu_weight(groups, rows, in_f)
+    for n in (1, 4, 64):
+        x = torch.randn(n, groups, in_f, device="cuda", dtype=torch.bfloat16)
+        y = grouped_linear(x, w, groups)
+        assert torch.equal(y, fp8_grouped_linear_triton(x, w, groups))
+        assert rel_err(y, fp8_grouped_linear_reference(x.float(), w, groups)) < 1e-2
+    for cfg in (None, Fp8Config(16, 32, 4, 4, 4)):  # one launch, and two with split-K
+        x = torch.randn(4, groups, in_f, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(4, groups, rows, device="cuda", dtype=torch.bfloat16)
+        fp8_grouped_linear_triton(x, w, groups, out=out, config=cfg)   # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fp8_grouped_linear_triton(x, w, groups, out=out, config=cfg)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all()
+            assert rel_err(out, fp8_grouped_linear_reference(x.float(), w, groups)) < 1e-2

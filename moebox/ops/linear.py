@@ -29,18 +29,13 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:
     """Block-diagonal linear: x [N, g, in/g] -> [N, g, out/g], group i times the i-th block of out/g weight rows
-    (DeepSeek-V4's grouped output projection wo_a). An FP8 weight on CUDA runs one kernel call per group over
-    views of the weight, so it is never dequantized in memory."""
-    n, g, _ = x.shape
+    (DeepSeek-V4's grouped output projection wo_a). An FP8 weight on CUDA whose groups are whole 128-row scale
+    blocks runs one grouped kernel launch for all groups (fp8_grouped_linear), so it is never dequantized in
+    memory."""
     rows = w.shape[0] // groups
     if x.is_cuda and isinstance(w, QuantTensor) and w.kind == "fp8" and rows % w.block[0] == 0:
-        from moebox.ops.triton.fp8_linear import fp8_linear
-        out = torch.empty((n, g, rows), dtype=x.dtype, device=x.device)
-        srows = rows // w.block[0]
-        for i in range(g):
-            part = QuantTensor("fp8", w.data[i * rows:(i + 1) * rows], w.scale[i * srows:(i + 1) * srows], w.block)
-            fp8_linear(x[:, i], part, out=out[:, i])
-        return out
+        from moebox.ops.triton.fp8_linear import fp8_grouped_linear
+        return fp8_grouped_linear(x, w, groups)
     return torch.einsum("ngd,grd->ngr", x, dense_weight(w, x.dtype).view(groups, rows, -1))
 
 

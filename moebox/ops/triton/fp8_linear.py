@@ -81,6 +81,14 @@ output on the H200: it prints the lines to paste) if there is one, else the GEMV
 rows per program so that out / BLOCK_O gives ~3 programs per SM, BLOCK_K so that a step is 64 bytes per
 thread, 3 stages when there are several steps) for N <= GEMV_MAX_N and the dot decode tiles above that.
 
+Grouped, `fp8_grouped_linear(x [N, g, in], w [g*R, in], g) -> [N, g, R]` (DeepSeek-V4's grouped output
+projection wo_a: group i times weight rows [i*R, (i+1)*R)). One launch of the same kernels instead of one call
+per group: the g groups' row blocks lie side by side on the grid's row axis and each program offsets its x and
+y rows by its group's strides (weight and scale rows are the global ones; R % 128 == 0 and BLOCK_O divides R,
+so no program or scale block straddles two groups). At V4-Flash size (g = 8, R = 1024, in = 4096) the 8 calls
+of a layer were each 4 MB, latency-bound like wq_a below, 344 launches per decode step over 43 layers; one
+call is a 33.5 MB stream like wo_b's. The tiling is the one picked for a [g*R, in] weight.
+
 Bytes and the bandwidth to approach. A decode call reads out*in bytes of FP8 plus out*in/16384 bytes of
 scales (0.006%), plus x and y (N*(in+out)*2 bytes, negligible), so it should approach the device copy
 bandwidth (~4.25 TB/s on the H200, read+written bytes of a device copy, KINDS.md). The V4-Flash dense shapes
@@ -92,6 +100,7 @@ bandwidth (~4.25 TB/s on the H200, read+written bytes of a device copy, KINDS.md
     shared w1/w3  2048 x 4096    8.39 MB    1.97 us each
     shared w2     4096 x 2048    8.39 MB    1.97 us
     e_proj/h_proj 4096 x 4096   16.78 MB    3.95 us   (MTP)
+    wo_a       8 x 1024 x 4096  33.55 MB    7.89 us   (8 groups, fp8_grouped_linear)
 The big ones (wq_b, wo_b, e/h_proj) can get near the bandwidth; wkv and wq_a are ~0.5-1 us of bytes, below a
 kernel's ramp-up and tail (a few us standalone, ~1-2 us inside a CUDA graph), so they are latency-bound: one
 kernel whose programs all fit on the GPU at once and load their whole K range in one or two steps is the most
@@ -104,14 +113,17 @@ on random data here).
 enough weight copies to miss L2, as consecutive layers do) and N = 2048 (TFLOP/s), next to cuBLAS bf16
 F.linear on the dense bf16 weight. `sweep` (`--sweep`) times GEMV variants against the dot path at N = 1, 4,
 16 in that graph replay and prints one table, the best variant per (shape, N) and TUNED_DECODE lines;
-`--sweep-prefill` times prefill tilings.
+`--sweep-prefill` times prefill tilings; `--grouped` (also run after the plain bench) times the grouped wo_a
+call against the loop of one call per group, at N = 1, 4, 16 in the same graph replay.
 
-CUDA graphs: a call allocates only `out` (when None) and the split-K scratch with torch.empty (graph-safe with
-the caching allocator) and launches 1 kernel (2 with split-K); no host sync, no data-dependent shapes.
+CUDA graphs: a call (grouped or not) allocates only `out` (when None) and the split-K scratch with torch.empty
+(graph-safe with the caching allocator) and launches 1 kernel (2 with split-K); no host sync, no data-dependent
+shapes.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from dataclasses import dataclass, replace
@@ -131,6 +143,8 @@ BLOCK = 128  # the FP8 scale block, both dimensions; also the dot kernel's K ste
 V4_FLASH_SHAPES: tuple[tuple[str, int, int], ...] = (
     ("wq_a", 1024, 4096), ("wq_b", 32768, 1024), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
     ("shared_w1", 2048, 4096), ("shared_w2", 4096, 2048), ("e_proj", 4096, 4096))
+# (name, groups, rows per group, in): the grouped output projection (fp8_grouped_linear)
+V4_FLASH_GROUPED: tuple[str, int, int, int] = ("wo_a", 8, 1024, 4096)
 
 
 @dataclass(frozen=True)
@@ -255,13 +269,19 @@ if HAVE_TRITON:
         return part * scale[:, None]
 
     @triton.jit
-    def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, OUT, IN, KB_PER_SPLIT,
-                           stride_xn, stride_wo, stride_so, stride_yn, stride_ys,
+    def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, OUT, ROWS, IN, KB_PER_SPLIT,
+                           stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys,
                            BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
                            X_TERMS: tl.constexpr, DOT_DTYPE: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_o = tl.program_id(1)
         pid_k = tl.program_id(2)
+        # Output rows in groups of ROWS (fp8_grouped_linear; one group: ROWS = OUT): BLOCK_O divides ROWS, so a
+        # program's rows are in one group, whose x and y rows start at the group strides. y_ptr is moved back by
+        # the group's first row, so the global row index offs_o addresses the group's columns.
+        group = (pid_o * BLOCK_O) // ROWS
+        x_ptr += group.to(tl.int64) * stride_xg
+        y_ptr += group.to(tl.int64) * stride_yg - group * ROWS
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
         offs_k = tl.arange(0, BLOCK_K)
@@ -304,17 +324,22 @@ if HAVE_TRITON:
         scale = (tl.reshape(sb, (1, BLOCK_O, KC)).to(tl.int32) << 23).to(tl.float32, bitcast=True)
         return part * scale
 
-    # N, OUT and the split/scale/output strides are not specialized on (== 1, % 16), so one compile serves all
-    # shapes and N alike; IN and the x / w row strides are (% 16: the 16-byte vector loads and the tail mask).
-    @triton.jit(do_not_specialize=["N", "OUT", "STEPS_PER_SPLIT", "stride_so", "stride_yn", "stride_ys"])
-    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, OUT, IN, STEPS_PER_SPLIT,
-                         stride_xn, stride_wo, stride_so, stride_yn, stride_ys,
+    # N, OUT, ROWS and the split/scale/output strides are not specialized on (== 1, % 16), so one compile serves
+    # all shapes and N alike; IN and the x / w row and x group strides are (% 16: the 16-byte vector loads and
+    # the tail mask).
+    @triton.jit(do_not_specialize=["N", "OUT", "ROWS", "STEPS_PER_SPLIT", "stride_so", "stride_yn", "stride_yg",
+                                   "stride_ys"])
+    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, OUT, ROWS, IN, STEPS_PER_SPLIT,
+                         stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys,
                          BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
         KC: tl.constexpr = BLOCK_K // 16   # 16-byte chunks per row and K step
         pid_n = tl.program_id(0)
         pid_o = tl.program_id(1)
         pid_k = tl.program_id(2)
+        group = (pid_o * BLOCK_O) // ROWS   # the program's group of output rows, as in _fp8_linear_kernel
+        x_ptr += group.to(tl.int64) * stride_xg
+        y_ptr += group.to(tl.int64) * stride_yg - group * ROWS
         vec = tl.arange(0, 16)
         # [rows x chunks, 16] tiles, chunk fastest (see the module doc); rows past OUT / N are clamped
         r = tl.arange(0, BLOCK_O * KC)
@@ -349,36 +374,62 @@ if HAVE_TRITON:
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_o < OUT)[None, :])
 
     @triton.jit
-    def _split_sum_kernel(ws_ptr, y_ptr, OUT, stride_ws, stride_yn, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-        """y[n, :] = sum over the SPLIT fp32 partials ws[s, n, :], in order, cast to y's dtype."""
+    def _split_sum_kernel(ws_ptr, y_ptr, OUT, ROWS, stride_ws, stride_yn, stride_yg, SPLIT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """y[n, :] = sum over the SPLIT fp32 partials ws[s, n, :], in order, cast to y's dtype; y's columns in
+        groups of ROWS (BLOCK divides ROWS, or ROWS = OUT) at y + group * stride_yg."""
         n = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        group = (tl.program_id(1) * BLOCK) // ROWS
         m = offs < OUT
         row = n.to(tl.int64) * OUT + offs
         acc = tl.load(ws_ptr + row, mask=m, other=0.0)
         for s in tl.static_range(1, SPLIT):
             acc += tl.load(ws_ptr + s * stride_ws + row, mask=m, other=0.0)
-        tl.store(y_ptr + n.to(tl.int64) * stride_yn + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+        y = y_ptr + n.to(tl.int64) * stride_yn + group.to(tl.int64) * stride_yg + (offs - group * ROWS)
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     _SPLIT_DTYPES = {"bf16": tl.bfloat16, "fp16": tl.float16}
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
-def _check(x: torch.Tensor, w: QuantTensor) -> tuple[int, int, int]:
+def _check_weight(w: QuantTensor) -> tuple[int, int]:
     if not isinstance(w, QuantTensor) or w.kind != "fp8":
         raise TypeError("w must be a QuantTensor of kind 'fp8'")
     if tuple(w.block) != (BLOCK, BLOCK):
         raise ValueError(f"only {BLOCK}x{BLOCK} scale blocks are supported, got {w.block}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [N, in], got {tuple(x.shape)}")
     out_f, in_f = w.data.shape
-    if x.shape[1] != in_f:
-        raise ValueError(f"x has {x.shape[1]} features, the weight {in_f}")
     want = (-(-out_f // BLOCK), -(-in_f // BLOCK))
     if tuple(w.scale.shape) != want:
         raise ValueError(f"scale must be {want}, got {tuple(w.scale.shape)}")
+    return out_f, in_f
+
+
+def _check(x: torch.Tensor, w: QuantTensor) -> tuple[int, int, int]:
+    out_f, in_f = _check_weight(w)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, in], got {tuple(x.shape)}")
+    if x.shape[1] != in_f:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {in_f}")
     return x.shape[0], out_f, in_f
+
+
+def _check_grouped(x: torch.Tensor, w: QuantTensor, groups: int) -> tuple[int, int, int]:
+    """(N, rows per group, in) of a grouped call, or the error that names the shapes."""
+    out_f, in_f = _check_weight(w)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, groups, in], got {tuple(x.shape)}")
+    if groups < 1 or x.shape[1] != groups:
+        raise ValueError(f"x {tuple(x.shape)} must have {groups} groups (dim 1), and groups must be >= 1")
+    if x.shape[2] != in_f:
+        raise ValueError(f"x {tuple(x.shape)} has {x.shape[2]} features per group, the weight {tuple(w.data.shape)} "
+                         f"{in_f}")
+    rows = out_f // groups
+    if out_f % groups or rows % BLOCK:
+        raise ValueError(f"each group's rows must be a multiple of {BLOCK} (whole scale blocks): the weight "
+                         f"{tuple(w.data.shape)} in {groups} groups (x {tuple(x.shape)}) gives {out_f / groups:g}")
+    return x.shape[0], rows, in_f
 
 
 def _out(x: torch.Tensor, out: torch.Tensor | None, n: int, out_f: int) -> torch.Tensor:
@@ -389,6 +440,15 @@ def _out(x: torch.Tensor, out: torch.Tensor | None, n: int, out_f: int) -> torch
     if n and out_f > 1 and out.stride(1) != 1:
         raise ValueError("out must have contiguous rows")
     return out
+
+
+def _kernel_weight(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w's FP8 data with contiguous rows and its scale bytes as uint8 with contiguous rows."""
+    data = w.data if w.data.stride(1) == 1 else w.data.contiguous()
+    scale = w.scale if w.scale.dtype == torch.uint8 else w.scale.view(torch.uint8)
+    if scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    return data, scale
 
 
 def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
@@ -407,28 +467,34 @@ def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None 
         return out
     if in_f == 0:
         return out.zero_()
-    data = w.data if w.data.stride(1) == 1 else w.data.contiguous()
-    scale = w.scale if w.scale.dtype == torch.uint8 else w.scale.view(torch.uint8)
-    if scale.stride(-1) != 1:
-        scale = scale.contiguous()
+    data, scale = _kernel_weight(w)
     if x.stride(1) != 1:
         x = x.contiguous()
     sms = num_sms(x.device)
     cfg = pick_config(n, out_f, in_f, x.dtype, sms) if config is None else resolve_split(config, n, out_f, in_f, sms)
     _check_config(cfg)
+    _launch(x, data, scale, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), cfg)
+    return out
+
+
+def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n: int, out_f: int,
+            rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config) -> None:
+    """The kernel launch (+ the split-K sum) for out_f output rows in groups of `rows` (one group: rows = out_f):
+    group i reads x[n] at x + n * x_strides[0] + i * x_strides[1] and writes out[n] at out + n * out_strides[0]
+    + i * out_strides[1] (x and out with unit column stride). cfg.block_o divides rows when there are groups."""
     steps = -(-in_f // cfg.block_k)   # K steps (the dot kernel's are the 128-column blocks)
     split = _even_split(steps, cfg.split_k)
     per_split = -(-steps // split)
     if split == 1:
-        y, stride_yn, stride_ys = out, out.stride(0), 0
-    else:
+        y, (stride_yn, stride_yg), stride_ys = out, out_strides, 0
+    else:  # fp32 partials [split, N, out_f], the groups side by side
         y = torch.empty((split, n, out_f), dtype=torch.float32, device=x.device)
-        stride_yn, stride_ys = out_f, n * out_f
+        stride_yn, stride_yg, stride_ys = out_f, rows, n * out_f
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(out_f, cfg.block_o), split)
     if cfg.kernel == "gemv":
         _fp8_gemv_kernel[grid](
-            x, data, scale, y, n, out_f, in_f, per_split,
-            x.stride(0), data.stride(0), scale.stride(0), stride_yn, stride_ys,
+            x, data, scale, y, n, out_f, rows, in_f, per_split,
+            x_strides[0], x_strides[1], data.stride(0), scale.stride(0), stride_yn, stride_yg, stride_ys,
             BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=1)
     else:
@@ -440,15 +506,16 @@ def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None 
             terms = 1
             dot_dtype = tl.float16 if (cfg.bf16_as_fp16 and x.dtype == torch.bfloat16) else _DOT_DTYPES[x.dtype]
         _fp8_linear_kernel[grid](
-            x, data, scale, y, n, out_f, in_f, per_split,
-            x.stride(0), data.stride(0), scale.stride(0), stride_yn, stride_ys,
+            x, data, scale, y, n, out_f, rows, in_f, per_split,
+            x_strides[0], x_strides[1], data.stride(0), scale.stride(0), stride_yn, stride_yg, stride_ys,
             BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=BLOCK, X_TERMS=terms, DOT_DTYPE=dot_dtype,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
-        sum_block = min(1024, triton.next_power_of_2(out_f))
+        # a sum block never straddles two groups: rows is a multiple of 128 when there are several
+        sum_block = min(1024, triton.next_power_of_2(out_f) if rows == out_f else rows & -rows)
         _split_sum_kernel[(n, triton.cdiv(out_f, sum_block))](
-            y, out, out_f, stride_ys, out.stride(0), SPLIT=split, BLOCK=sum_block, num_warps=4)
-    return out
+            y, out, out_f, rows, stride_ys, out_strides[0], out_strides[1], SPLIT=split, BLOCK=sum_block,
+            num_warps=4)
 
 
 def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
@@ -466,6 +533,69 @@ def fp8_linear(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
     """Dispatcher: the Triton kernel for CUDA tensors (when triton imports), the torch reference elsewhere."""
     fn = fp8_linear_triton if (x.is_cuda and HAVE_TRITON) else fp8_linear_reference
     return fn(x, w, out=out, config=config)
+
+
+# ------------------------------------------------------------------------------------------ grouped
+def _out_grouped(x: torch.Tensor, out: torch.Tensor | None, n: int, groups: int, rows: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty((n, groups, rows), dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (n, groups, rows) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"out must be [{n}, {groups}, {rows}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
+                         f"{out.dtype}")
+    if out.numel() and rows > 1 and out.stride(2) != 1:
+        raise ValueError("out must have contiguous rows (unit stride in its last dimension)")
+    return out
+
+
+def fp8_grouped_linear_triton(x: torch.Tensor, w: QuantTensor, groups: int, out: torch.Tensor | None = None,
+                              config: Fp8Config | None = None) -> torch.Tensor:
+    """Block-diagonal FP8 linear in one launch: x [N, g, in] (bf16/fp16/fp32, any N and group strides), w
+    QuantTensor fp8 [g*R, in] with R % 128 == 0; returns (or fills, every element) `out` [N, g, R] (any view
+    with unit last stride) in x's dtype, out[:, i] = x[:, i] @ W[i*R:(i+1)*R]^T. The kernels of
+    fp8_linear_triton, with the groups' row blocks side by side on the grid's row axis; the tiling is the one
+    fp8_linear_triton picks for [g*R, in] (TUNED_DECODE key (g*R, in)), or `config` (block_o must divide R)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    n, rows, in_f = _check_grouped(x, w, groups)
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    out = _out_grouped(x, out, n, groups, rows)
+    out_f = groups * rows
+    if n == 0 or out_f == 0:
+        return out
+    if in_f == 0:
+        return out.zero_()
+    data, scale = _kernel_weight(w)
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    sms = num_sms(x.device)
+    cfg = pick_config(n, out_f, in_f, x.dtype, sms) if config is None else resolve_split(config, n, out_f, in_f, sms)
+    _check_config(cfg)
+    if rows % cfg.block_o:
+        raise ValueError(f"block_o {cfg.block_o} must divide the {rows} rows of a group: {cfg}")
+    _launch(x, data, scale, out, n, out_f, rows, in_f, (x.stride(0), x.stride(1)), (out.stride(0), out.stride(1)),
+            cfg)
+    return out
+
+
+def fp8_grouped_linear_reference(x: torch.Tensor, w: QuantTensor, groups: int, out: torch.Tensor | None = None,
+                                 config: Fp8Config | None = None) -> torch.Tensor:
+    """The torch reference: fp8_linear_reference per group over views of w (same arguments)."""
+    n, rows, _ = _check_grouped(x, w, groups)
+    srows = rows // BLOCK
+    y = torch.stack([fp8_linear_reference(x[:, i], QuantTensor("fp8", w.data[i * rows:(i + 1) * rows],
+                                                               w.scale[i * srows:(i + 1) * srows], w.block))
+                     for i in range(groups)], dim=1)
+    if out is not None:
+        return _out_grouped(x, out, n, groups, rows).copy_(y)
+    return y
+
+
+def fp8_grouped_linear(x: torch.Tensor, w: QuantTensor, groups: int, out: torch.Tensor | None = None,
+                       config: Fp8Config | None = None) -> torch.Tensor:
+    """Dispatcher for the grouped call, as fp8_linear: Triton for CUDA tensors, the torch reference elsewhere."""
+    fn = fp8_grouped_linear_triton if (x.is_cuda and HAVE_TRITON) else fp8_grouped_linear_reference
+    return fn(x, w, groups, out=out, config=config)
 
 
 def random_fp8_weight(out_features: int, in_features: int, device: torch.device | str = "cpu", seed: int = 0,
@@ -558,6 +688,56 @@ def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, 
     for r in rows:
         r["copy_GB/s"] = copy_gbs
     return rows
+
+
+def bench_grouped(device: str | torch.device = "cuda", shape: tuple[str, int, int, int] = V4_FLASH_GROUPED,
+                  tokens: Sequence[int] = (1, 4, 16), dtype: torch.dtype = torch.bfloat16,
+                  l2_miss_bytes: int = 256 << 20, copy_gbs: float | None = None) -> list[dict]:
+    """fp8_grouped_linear (one launch) against the loop of one fp8_linear call per group over views of the
+    weight (what `grouped_linear` ran before it), both replayed from a CUDA graph over enough weight copies
+    (>= l2_miss_bytes) that each call misses L2. Both outputs are checked against the reference first. Prints
+    and returns one row per N: us per grouped call, GB/s of weight bytes and the fraction of the copy bandwidth,
+    for each of the two, and the speedup."""
+    device = torch.device(device)
+    if copy_gbs is None:
+        copy_gbs = copy_bandwidth(device)
+    name, groups, rows, in_f = shape
+    out_f, srows = groups * rows, rows // BLOCK
+    print(f"grouped {name}: {groups} groups x {rows} rows x {in_f} in; x {dtype}; copy bandwidth {copy_gbs:.0f} GB/s;"
+          f" CUDA-graph replay over >= {l2_miss_bytes >> 20} MiB of weight copies", flush=True)
+    w = random_fp8_weight(out_f, in_f, device=device, seed=out_f + in_f)
+    ws = _weight_copies(w, l2_miss_bytes)
+    views = [[QuantTensor("fp8", c.data[i * rows:(i + 1) * rows], c.scale[i * srows:(i + 1) * srows], c.block)
+              for i in range(groups)] for c in ws]
+
+    def loop(x: torch.Tensor, parts: list[QuantTensor], out: torch.Tensor) -> torch.Tensor:
+        for i, part in enumerate(parts):
+            fp8_linear_triton(x[:, i], part, out=out[:, i])
+        return out
+
+    rows_out = []
+    for n in tokens:
+        x = torch.randn((n, groups, in_f), device=device, dtype=dtype)
+        out = torch.empty((n, groups, rows), device=device, dtype=dtype)
+        ref = fp8_grouped_linear_reference(x.float(), w, groups)
+        cfg = pick_config(n, out_f, in_f, dtype, num_sms(device))
+        head = f"{name:6s} {groups}x{rows}x{in_f} N={n:<3d}"
+        errs = [float((y.float() - ref).norm() / ref.norm()) for y in
+                (fp8_grouped_linear_triton(x, w, groups, out=out.fill_(float("nan"))).clone(),
+                 loop(x, views[0], out.fill_(float("nan"))))]
+        if not max(errs) < 2e-2:  # NaN (an element not written) too
+            print(f"{head} WRONG: rel. error grouped {errs[0]:.1e}, loop {errs[1]:.1e}", flush=True)
+            continue
+        ms = _graph_ms(lambda i: fp8_grouped_linear_triton(x, ws[i], groups, out=out), len(ws))
+        ms_loop = _graph_ms(lambda i: loop(x, views[i], out), len(ws))
+        gbs, gbs_loop = w.nbytes / ms / 1e6, w.nbytes / ms_loop / 1e6
+        rows_out.append({"shape": name, "groups": groups, "rows": rows, "in": in_f, "N": n, "config": cfg,
+                         "us": ms * 1e3, "GB/s": gbs, "copy": gbs / copy_gbs, "us_loop": ms_loop * 1e3,
+                         "GB/s_loop": gbs_loop, "copy_loop": gbs_loop / copy_gbs, "copy_GB/s": copy_gbs})
+        print(f"{head} | 1 launch {ms * 1e3:7.2f} us {gbs:5.0f} GB/s {gbs / copy_gbs:6.1%} of copy | {groups} calls "
+              f"{ms_loop * 1e3:7.2f} us {gbs_loop:5.0f} GB/s {gbs_loop / copy_gbs:6.1%} | x{ms_loop / ms:4.2f}  "
+              f"{cfg.label}", flush=True)
+    return rows_out
 
 
 def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Config]:
@@ -705,13 +885,40 @@ def sweep_prefill(device: str | torch.device = "cuda", dtype: torch.dtype = torc
             print(f"   {cfg.label} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
-if __name__ == "__main__":  # python -m moebox.ops.triton.fp8_linear [--sweep] [--sweep-prefill]
-    import sys
-    print(f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
-    if "--sweep" in sys.argv:
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moebox.ops.triton.fp8_linear",
+                                description="Time the FP8 linear kernels on the V4-Flash shapes (CUDA). With no "
+                                            "option: the bench of the dense shapes, then the grouped wo_a.")
+    p.add_argument("--sweep", action="store_true", help="time GEMV variants against the dot path (decode)")
+    p.add_argument("--sweep-prefill", action="store_true", help="time prefill tilings of the dot kernel")
+    p.add_argument("--grouped", action="store_true",
+                   help="time fp8_grouped_linear (one launch) against one call per group, CUDA-graph replay")
+    p.add_argument("--groups", type=int, default=V4_FLASH_GROUPED[1], help="--grouped: groups (default %(default)s)")
+    p.add_argument("--rows", type=int, default=V4_FLASH_GROUPED[2],
+                   help="--grouped: rows per group, a multiple of 128 (default %(default)s)")
+    p.add_argument("--in-features", type=int, default=V4_FLASH_GROUPED[3], help="--grouped: in (default %(default)s)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16], help="--grouped: N values (default 1 4 16)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.rows % BLOCK or args.groups < 1 or min(args.tokens) < 1:
+        raise SystemExit(f"--rows must be a multiple of {BLOCK}, --groups and --tokens positive")
+    if not (HAVE_TRITON and torch.cuda.is_available()):
+        raise SystemExit("the fp8_linear bench needs triton and a CUDA device")
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    grouped = ("wo_a" if (args.groups, args.rows, args.in_features) == V4_FLASH_GROUPED[1:] else "grouped",
+               args.groups, args.rows, args.in_features)
+    if args.sweep:
         sweep()
-    if "--sweep-prefill" in sys.argv:
+    if args.sweep_prefill:
         sweep_prefill()
-    if len(sys.argv) == 1:
+    if not (args.sweep or args.sweep_prefill or args.grouped):
         bench()
+    if args.grouped or not (args.sweep or args.sweep_prefill):
+        bench_grouped(shape=grouped, tokens=args.tokens)
+
+
+if __name__ == "__main__":
+    main()
