@@ -58,3 +58,16 @@ def test_step_bytes_follow_the_routing():
     assert hits[0] < hits[1] <= cfg.num_layers * min(8 * k, cfg.n_routed_experts)
     assert expert_bytes(cfg) * 8 == 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2.25
     assert dense_bytes(model, weights, 2) - dense_bytes(model, weights, 1) == cfg.hidden_size * 2
+
+
+def test_bench_spec_cli_compares_mtp_with_plain_on_the_demo():
+    """`moebox bench spec` on the shipped demo (greedy): one row per concurrency, a speedup that is the ratio of
+    the two measured rates, and acceptance numbers that are rates."""
+    out = _run("spec", "--concurrency", "1", "2", "--requests", "2", "--max-tokens", "8", "--mtp", "2")
+    rows = [r for r in _table_rows(out) if r[0] != "concurrency"]
+    assert [r[0] for r in rows] == ["1", "2"]
+    for c, plain, mtp, plain_slot, mtp_slot, speedup, acceptance, per_step in rows:
+        assert float(plain) > 0 and float(mtp) > 0
+        ratio = float(mtp) / float(plain)                   # of the printed (1-decimal) rates: a few % off
+        assert abs(float(speedup.rstrip("x")) - ratio) <= 0.01 + 0.06 * ratio
+        assert 0 <= float(acceptance) <= 1 and 1 <= float(per_step) <= 3

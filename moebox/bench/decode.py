@@ -317,7 +317,9 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=("decode", "prefill"), help="which regime to measure")
+    from moebox.bench import spec
+    p.add_argument("what", choices=("decode", "prefill", "spec"),
+                   help="which regime to measure (spec: MTP vs plain on a real model, per concurrency)")
     p.add_argument("--preset", default="flash", choices=PRESETS, help="model shapes (flash: real V4-Flash)")
     p.add_argument("--layers", type=int, default=None, help="main layers (default: the preset's, 43 for flash)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -330,11 +332,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="also time speculative verify steps (K drafts + 1 token per sequence) at the first context")
+    spec.configure(p.add_argument_group("spec"))
 
 
 def run(args: argparse.Namespace) -> int:
     from moebox.bench.synthetic import synthetic_weights
     from moebox.errors import MoeboxError
+    if args.what == "spec":
+        from moebox.bench import spec
+        return spec.run(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MoeboxError("--device cuda but no CUDA device is available; use --device cpu (tiny/small presets)")
