@@ -396,3 +396,47 @@ def test_gpu_deterministic_and_cuda_graph_replay() -> None:
         ref = _fp32_reference(inp)
         assert torch.isfinite(out).all()
         assert float((out.double() - ref.double()).norm() / ref.double().norm()) < 4e-3
+
+
+_MODEL_CHECK = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from moebox.bench.synthetic import synthetic_weights
+    from moebox.config import parse_config
+    from moebox.model.batch import DecodeBatch, FlatBatch
+    from moebox.model.deepseek_v4 import DeepseekV4
+    from moebox.weights.synth import preset_config
+    cfg = parse_config(preset_config("tiny"))
+    torch.manual_seed(0)
+    model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu").__getitem__, qat=False, dtype=torch.float32,
+                       load_mtp=False)
+    ids = torch.randint(2, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    import moebox.ops.triton.decode_attention as da
+    kernel, kernel_calls = da.attend_triton, []
+    da.attend_triton = lambda *a: kernel_calls.append(1) or kernel(*a)      # counts the kernel's launches
+    runs = {}
+    for flag in ("1", "0"):
+        os.environ["MOEBOX_ATTENTION_KERNEL"] = flag
+        cache = model.new_cache(3, 96, "cpu")
+        model.forward(FlatBatch.build([(1, 0, ids[:20]), (2, 0, ids[30:33])], "cpu"), cache)
+        rows = []
+        for i in range(14):                          # two sequences, past entries of both ratios
+            t = torch.tensor
+            batch = DecodeBatch(t([ids[20 + i], ids[33 + i]]), t([20 + i, 3 + i]), t([1, 2]))
+            rows.append(model.forward(batch, cache).logits)
+        runs[flag] = torch.stack(rows)
+    got, ref = runs["1"], runs["0"]
+    assert len(kernel_calls) == 14 * cfg.num_layers, len(kernel_calls)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    print("RESULT " + json.dumps([{"same_buffer": True, "finite": bool(got.isfinite().all()), "rel": rel,
+                                   "ref_norm": ref.norm().item(), "tol": 1e-5}]))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_the_model_decode_step_with_the_kernel_equals_the_torch_path() -> None:
+    """Attention._decode takes the kernel where it applies (here: Triton's interpreter on CPU fp32, tiny model
+    with sliding, CSA and HCA layers): 14 decode steps of two sequences give the torch path's logits."""
+    check_in_interpreter(_MODEL_CHECK)

@@ -11,6 +11,7 @@ does not close at this token goes to the table's scratch row, and the indexer's 
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -18,15 +19,30 @@ import torch
 from moebox.config import CSA, SLIDING, ModelConfig
 from moebox.model.batch import DecodeBatch, FlatBatch, Segment
 from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
-from moebox.model.decode_attention import attend, compress_step, index_select, window_step
+from moebox.model.decode_attention import attend, compress_step, index_select, window_mask, window_step
 from moebox.ops.attention import local_sink_attention, sink_attention
 from moebox.ops.compress import pool, pool_windows
 from moebox.ops.linear import Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, rope_inv_freq
+from moebox.ops.triton.runtime import interpreting
 
 WeightSource = Callable[[str], Weight]
+
+
+def attention_kernel_takes(q: torch.Tensor, ring: object, entries: object) -> bool:
+    """Whether a decode step's attention read runs as the fused Triton kernel (moebox/ops/triton/
+    decode_attention.py): CUDA tensors in plain (not FP8-row) caches, unless MOEBOX_ATTENTION_KERNEL=0. The
+    kernel's own `supported` check still applies; anything else takes the compiled torch `attend`."""
+    if not (q.is_cuda or interpreting()) or os.environ.get("MOEBOX_ATTENTION_KERNEL", "1") == "0":
+        return False
+    return isinstance(ring, torch.Tensor) and (entries is None or isinstance(entries, torch.Tensor))
+
+
+def attend_decode(q, ring, slot, visible, sink, scale, entries, rows, valid) -> torch.Tensor:
+    from moebox.ops.triton.decode_attention import attend_decode as kernel_or_torch
+    return kernel_or_torch(q, ring, slot, visible, sink, scale, entries, rows, valid)
 
 
 class Compressor:
@@ -239,20 +255,24 @@ class Attention:
     def _decode(self, batch: DecodeBatch, q: torch.Tensor, kv: torch.Tensor, comp, idx,
                 cache: LayerCache) -> torch.Tensor:
         cfg, pos, slot = self.cfg, batch.positions, batch.slots
-        keys, visible = window_step(kv, pos, slot, cache.window, cfg.sliding_window)
         scale = cfg.head_dim ** -0.5
-        if self.compressor is None:
-            return attend(q, keys, visible, self.sink, scale)
-        valid = self._compress(self.compressor, comp, batch, cache.raw_kv, cache.raw_gate, cache.entries,
-                               "kv" if self.qat else None)
-        if self.indexer is None:
+        entries = rows = valid = None
+        if self.compressor is not None:
+            valid = self._compress(self.compressor, comp, batch, cache.raw_kv, cache.raw_gate, cache.entries,
+                                   "kv" if self.qat else None)
+            if self.indexer is not None:
+                qi, wi, icomp = idx
+                self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate,
+                               cache.index_keys, "index" if self.qat else None)
+                rows, valid = index_select(qi, wi, cache.index_keys, slot, valid, cfg.index_topk)
+            entries = cache.entries
+        if attention_kernel_takes(q, cache.window, entries):
+            visible = window_mask(kv, pos, slot, cache.window, cfg.sliding_window)
+            return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid)
+        keys, visible = window_step(kv, pos, slot, cache.window, cfg.sliding_window)
+        if entries is not None and rows is None:                  # HCA: every entry row
             rows = torch.arange(valid.shape[1], device=pos.device)[None, :]
-        else:
-            qi, wi, icomp = idx
-            self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate, cache.index_keys,
-                           "index" if self.qat else None)
-            rows, valid = index_select(qi, wi, cache.index_keys, slot, valid, cfg.index_topk)
-        return attend(q, keys, visible, self.sink, scale, cache.entries, slot, rows, valid)
+        return attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid)
 
     def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,
                   ring_gate, entries, finish: str | None) -> torch.Tensor:

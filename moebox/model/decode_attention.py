@@ -22,16 +22,22 @@ from moebox.ops.rope import apply_rope
 
 
 @fused
-def window_step(kv: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, ring: torch.Tensor,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Store each sequence's new K=V row in its window ring, then read the ring: keys [B, R, d] and which of
-    them are inside the window [B, R]."""
+def window_mask(kv: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, ring: torch.Tensor,
+                window: int) -> torch.Tensor:
+    """Store each sequence's new K=V row in its window ring; which ring rows are inside the window [B, R]."""
     size = ring.shape[1]
     ring[slot, pos % size] = kv.to(ring.dtype)
-    keys = ring[slot].to(kv.dtype)
     # ring row i holds the newest position <= pos that is i mod size (negative: never written)
     kpos = pos[:, None] - (pos[:, None] - torch.arange(size, device=pos.device)[None, :]) % size
-    return keys, (kpos > pos[:, None] - window) & (kpos >= 0)
+    return (kpos > pos[:, None] - window) & (kpos >= 0)
+
+
+@fused
+def window_step(kv: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, ring: torch.Tensor,
+                window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`window_mask`, and the ring read out: keys [B, R, d] and which of them are inside the window [B, R]."""
+    visible = window_mask(kv, pos, slot, ring, window)
+    return ring[slot].to(kv.dtype), visible
 
 
 @fused
