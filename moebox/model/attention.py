@@ -189,9 +189,8 @@ class Attention:
         entries = ent_visible = None
         if self.compressor is not None:
             entries = self.compressor.fresh_entries(comp[0].view(b, t, -1), comp[1].view(b, t, -1), kv.dtype)
-            pos = torch.arange(t, device=q.device)
-            ent_visible = (torch.arange(entries.shape[1], device=q.device)[None, :] < ((pos + 1) // self.ratio)[:, None])
-            ent_visible = ent_visible[None]                                               # [1, T, E]
+            closed = (torch.arange(t, device=q.device) + 1) // self.ratio                 # entries token t sees
+            ent_visible = (torch.arange(entries.shape[1], device=q.device)[None, :] < closed[:, None])[None]
             if self.indexer is not None:
                 qi, wi, (ikv, igate) = idx
                 keys = self.indexer.fresh_entries(ikv.view(b, t, -1), igate.view(b, t, -1), qi.dtype)
