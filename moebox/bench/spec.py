@@ -35,11 +35,6 @@ HEADER = ["concurrency", "plain tok/s", "MTP tok/s", "plain per slot", "MTP per 
           "draft acceptance", "tokens per verify step"]
 
 
-def _spec_counts(llm) -> tuple[float, float, float]:
-    m = llm.engine.metrics
-    return tuple(c._value.get() for c in (m.spec_steps, m.spec_drafted, m.spec_accepted))  # type: ignore[return-value]
-
-
 def measure(model: str | Path, device: str, concurrency: int, k: int, prompts: list[list[int]], max_tokens: int
             ) -> tuple[float, tuple[float, float, float]]:
     """(aggregate output tok/s, (verify steps, drafted, accepted) in the timed pass) for one setting."""
@@ -48,22 +43,24 @@ def measure(model: str | Path, device: str, concurrency: int, k: int, prompts: l
     llm = LLM(model, device=device, max_num_seqs=concurrency, speculative_config=spec, progress=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     llm.generate(prompts[:concurrency], params)                       # warm-up: compile, graphs, first probes
-    before = _spec_counts(llm)
+    before = llm.engine.metrics.spec_counts()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True, desc=f"c={concurrency} {'MTP k=%d' % k if k else 'plain'}")
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    after = _spec_counts(llm)
+    after = llm.engine.metrics.spec_counts()
     return tokens / seconds, tuple(a - b for a, b in zip(after, before))  # type: ignore[return-value]
 
 
 def bench_spec(model: str | Path, device: str, concurrency: list[int], k: int, requests: int, max_tokens: int,
                seed: int = 0) -> list[SpecRow]:
-    from moebox import LLM
+    from tokenizers import Tokenizer
+
     from moebox.train.data import CHAT_KINDS, eval_records
-    tok = LLM(model, device="cpu", max_num_seqs=1, progress=False).tokenizer
+    from moebox.train.evaluate import chat_prompts
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
     records = eval_records(seed, -(-requests // len(CHAT_KINDS)), kinds=CHAT_KINDS)[:requests]
-    prompts = [tok.encode(r.prompt, add_special_tokens=False).ids for r in records]
+    prompts = chat_prompts(tok, records)
     rows = []
     for c in concurrency:
         plain, _ = measure(model, device, c, 0, prompts, max_tokens)

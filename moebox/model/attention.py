@@ -21,7 +21,7 @@ from moebox.model.batch import DecodeBatch, FlatBatch, Segment
 from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
 from moebox.model.decode_attention import attend, compress_step, index_select, window_mask, window_step
 from moebox.ops.attention import local_sink_attention, sink_attention
-from moebox.ops.compress import pool, pool_windows
+from moebox.ops.compress import pool_windows
 from moebox.ops.linear import Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
@@ -94,18 +94,12 @@ class Compressor:
     def fresh_entries(self, kv: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """`entries_for` of B cache-free sequences of T tokens from position 0 at once: kv/gate [B, T, C] ->
         entries [B, T // ratio, dim]."""
-        b, t, c = kv.shape
-        r = self.ratio
-        windows = torch.arange(t // r, device=kv.device)
-        gate = gate + self.ape.float()[torch.arange(t, device=kv.device) % r]
-        rows = windows[:, None] * r + torch.arange(r, device=kv.device)[None, :]
-        if self.overlap:
-            rows = torch.cat([(rows - r).clamp(min=0), rows], dim=1)
-        nw, span = rows.shape
-        pooled = pool(kv[:, rows].reshape(b * nw, span, c), gate[:, rows].reshape(b * nw, span, c),
-                      (windows > 0).repeat(b), self.overlap)
-        e = self._finish(pooled, windows.repeat(b), out_dtype)
-        return e.view(b, nw, e.shape[-1])
+        b, t, _ = kv.shape
+        windows = torch.arange(t // self.ratio, device=kv.device)
+        gate = gate + self.ape.float()[torch.arange(t, device=kv.device) % self.ratio]
+        pooled = pool_windows(kv, gate, 0, windows, self.ratio, self.overlap)               # [B, nw, dim]
+        e = self._finish(pooled.flatten(0, 1), windows.repeat(b), out_dtype)
+        return e.view(b, windows.numel(), e.shape[-1])
 
     def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         e = apply_rope(rms_norm(pooled, self.norm, self.eps), windows * self.ratio, self.inv_freq)

@@ -37,7 +37,8 @@ def local_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: 
     b, t, nh, d = q.shape
     c = -(-t // window)                                                    # chunks
     pad = c * window - t
-    qc = torch.nn.functional.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(b, c, window, nh, d)
+    qf = q.float()
+    qc = torch.nn.functional.pad(qf, (0, 0, 0, 0, 0, pad)).view(b, c, window, nh, d)
     kvp = torch.nn.functional.pad(kv.float(), (0, 0, window, pad))         # [B, window + c*window, d]
     keys = kvp.unfold(1, 2 * window, window).transpose(-1, -2)             # [B, c, 2*window, d]
     qpos = torch.arange(c * window, device=q.device).view(c, window, 1)
@@ -49,7 +50,7 @@ def local_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: 
     parts = [s]
     if entries is not None:
         ent = entries.float()
-        se = torch.einsum("bthd,bed->bthe", q.float(), ent) * scale
+        se = torch.einsum("bthd,bed->bthe", qf, ent) * scale
         se = se.masked_fill(~ent_visible[:, :, None, :], float("-inf"))
         parts.append(torch.nn.functional.pad(se, (0, 0, 0, 0, 0, pad)).view(b, c, window, nh, -1))
     parts.append(sinks.float().view(1, 1, 1, nh, 1).expand(b, c, window, nh, 1))

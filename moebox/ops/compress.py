@@ -30,11 +30,16 @@ def pool(kv: torch.Tensor, gate: torch.Tensor, has_prev: torch.Tensor, overlap: 
 
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor, first_pos: int, windows: torch.Tensor, ratio: int,
                  overlap: bool) -> torch.Tensor:
-    """kv, gate [P, C] fp32 rows for positions first_pos.. (gate already includes ape) -> [len(windows), d].
+    """kv, gate [P, C] fp32 rows for positions first_pos.. (gate already includes ape) -> [len(windows), d];
+    or [B, P, C] for B sequences at the same positions -> [B, len(windows), d].
 
     C = 2d with overlap (halves [Ca | Cb]), else C = d. Rows a window needs must all be present.
     """
     rows = windows[:, None] * ratio + torch.arange(ratio, device=kv.device)[None, :] - first_pos   # [nw, r]
     if overlap:
         rows = torch.cat([(rows - ratio).clamp(min=0), rows], dim=1)
-    return pool(kv[rows], gate[rows], windows > 0, overlap)
+    if kv.dim() == 2:
+        return pool(kv[rows], gate[rows], windows > 0, overlap)
+    b, nw = kv.shape[0], rows.shape[0]
+    pooled = pool(kv[:, rows].flatten(0, 1), gate[:, rows].flatten(0, 1), (windows > 0).repeat(b), overlap)
+    return pooled.view(b, nw, pooled.shape[-1])

@@ -316,9 +316,9 @@ class Engine:
         now = time.perf_counter()
         if now - self._spec_logged >= LOG_EVERY_S:
             self._spec_logged = now
-            steps, drafted = m.spec_steps._value.get(), m.spec_drafted._value.get()
-            log.info("MTP: %.0f%% of %d drafts accepted, %.2f tokens per verify step", 100 *
-                     m.spec_accepted._value.get() / drafted, drafted, 1 + m.spec_accepted._value.get() / steps)
+            steps, drafted, kept = m.spec_counts()
+            log.info("MTP: %.0f%% of %d drafts accepted, %.2f tokens per verify step", 100 * kept / drafted,
+                     drafted, 1 + kept / steps)
 
     def _draft_budget(self, req: Request) -> int:
         """Drafts worth verifying next step: none past max_model_len or past the request's last token."""

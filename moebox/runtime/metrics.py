@@ -29,5 +29,9 @@ class EngineMetrics:
                                         ["position"], registry=r)
         self.cache_usage = Gauge("moebox_cache_usage", "Fraction of cache slots in use", registry=r)
 
+    def spec_counts(self) -> tuple[float, float, float]:
+        """(verify steps, drafted tokens, accepted tokens) so far."""
+        return tuple(c._value.get() for c in (self.spec_steps, self.spec_drafted, self.spec_accepted))  # type: ignore
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

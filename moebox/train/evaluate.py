@@ -85,6 +85,13 @@ def _token_ids(llm, text: str) -> list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def chat_prompts(tokenizer, records: list[EvalRecord], max_len: int | None = None) -> list[list[int]]:
+    """The token ids of the chat records' prompts (the text already holds BOS and the chat markup), each cut to
+    `max_len` tokens if given."""
+    return [tokenizer.encode(r.prompt, add_special_tokens=False).ids[:max_len]
+            for r in records if r.kind in CHAT_KINDS]
+
+
 def text_logits(llm, records: list[EvalRecord]) -> list[tuple[torch.Tensor, list[int]]]:
     """Per held-out chunk: next-token logits over the chunk's tokens and those tokens (after the prompt)."""
     out = []
@@ -101,7 +108,7 @@ def evaluate(llm, records: list[EvalRecord], experts: str, max_tokens: int = 192
     from moebox import SamplingParams
     report = Report(experts)
     chat = [r for r in records if r.kind in CHAT_KINDS]
-    outs = llm.generate([_token_ids(llm, r.prompt)[:llm.max_model_len - max_tokens] for r in chat],
+    outs = llm.generate(chat_prompts(llm.tokenizer, chat, llm.max_model_len - max_tokens),
                         SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_special_tokens=False),
                         use_tqdm=True, desc=f"{experts}: chat items")
     scores = [(r, score(r, o.outputs[0].text)) for r, o in zip(chat, outs)]
@@ -139,12 +146,10 @@ def mtp_acceptance(model: str | Path, records: list[EvalRecord], k: int, experts
     from moebox import LLM, SamplingParams
     llm = LLM(model, device=device, experts=experts, store_dir=store_dir, max_num_seqs=16, progress=False,
               speculative_config={"num_speculative_tokens": k, "adaptive": False})
-    chat = [r for r in records if r.kind in CHAT_KINDS]
-    llm.generate([_token_ids(llm, r.prompt)[:llm.max_model_len - max_tokens] for r in chat],
+    llm.generate(chat_prompts(llm.tokenizer, records, llm.max_model_len - max_tokens),
                  SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=True,
                  desc=f"{experts}: MTP k={k}")
-    m = llm.engine.metrics
-    steps, drafted, accepted = (c._value.get() for c in (m.spec_steps, m.spec_drafted, m.spec_accepted))
+    steps, drafted, accepted = llm.engine.metrics.spec_counts()
     return {f"MTP k={k} mean accepted length": 1 + accepted / max(steps, 1),
             f"MTP k={k} draft acceptance": accepted / max(drafted, 1)}
 

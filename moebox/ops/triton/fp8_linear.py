@@ -460,20 +460,33 @@ def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None 
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, out_f, in_f = _check(x, w)
+    _check_dtype(x)
+    out = _out(x, out, n, out_f)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return _run(x, w, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), config)
+
+
+def _check_dtype(x: torch.Tensor) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
-    out = _out(x, out, n, out_f)
+
+
+def _run(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, n: int, out_f: int, rows: int, in_f: int,
+         x_strides: tuple[int, int], out_strides: tuple[int, int], config: Fp8Config | None) -> torch.Tensor:
+    """What the plain and the grouped call share once x and out are checked: the empty cases, the tiling (the
+    one for the whole [out_f, in] weight, or `config`), the launch."""
     if n == 0 or out_f == 0:
         return out
     if in_f == 0:
         return out.zero_()
     data, scale = _kernel_weight(w)
-    if x.stride(1) != 1:
-        x = x.contiguous()
     sms = num_sms(x.device)
     cfg = pick_config(n, out_f, in_f, x.dtype, sms) if config is None else resolve_split(config, n, out_f, in_f, sms)
     _check_config(cfg)
-    _launch(x, data, scale, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), cfg)
+    if rows != out_f and rows % cfg.block_o:
+        raise ValueError(f"block_o {cfg.block_o} must divide the {rows} rows of a group: {cfg}")
+    _launch(x, data, scale, out, n, out_f, rows, in_f, x_strides, out_strides, cfg)
     return out
 
 
@@ -557,25 +570,12 @@ def fp8_grouped_linear_triton(x: torch.Tensor, w: QuantTensor, groups: int, out:
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, rows, in_f = _check_grouped(x, w, groups)
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    _check_dtype(x)
     out = _out_grouped(x, out, n, groups, rows)
-    out_f = groups * rows
-    if n == 0 or out_f == 0:
-        return out
-    if in_f == 0:
-        return out.zero_()
-    data, scale = _kernel_weight(w)
     if x.stride(2) != 1:
         x = x.contiguous()
-    sms = num_sms(x.device)
-    cfg = pick_config(n, out_f, in_f, x.dtype, sms) if config is None else resolve_split(config, n, out_f, in_f, sms)
-    _check_config(cfg)
-    if rows % cfg.block_o:
-        raise ValueError(f"block_o {cfg.block_o} must divide the {rows} rows of a group: {cfg}")
-    _launch(x, data, scale, out, n, out_f, rows, in_f, (x.stride(0), x.stride(1)), (out.stride(0), out.stride(1)),
-            cfg)
-    return out
+    return _run(x, w, out, n, groups * rows, rows, in_f, (x.stride(0), x.stride(1)),
+                (out.stride(0), out.stride(1)), config)
 
 
 def fp8_grouped_linear_reference(x: torch.Tensor, w: QuantTensor, groups: int, out: torch.Tensor | None = None,
