@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import contextlib
 import resource
+import signal
 import struct
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +131,34 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@contextlib.contextmanager
+def interrupt_between_steps() -> Iterator[Callable[[], None]]:
+    """Ctrl-C raised only where the caller says it is safe. A KeyboardInterrupt that lands inside torch or
+    safetensors can come out as an unrelated error (torch turns one during tensor construction into a
+    ValueError), so SIGINT is recorded and the yielded check raises it between experts; a second Ctrl-C
+    interrupts at once. Outside the main thread signals cannot be handled and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    asked = threading.Event()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if asked.is_set():
+            raise KeyboardInterrupt
+        asked.set()
+        log.info("interrupt: stopping after the current expert (Ctrl-C again to stop now)")
+
+    def check() -> None:
+        if asked.is_set():
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def pack(ckpt: Checkpoint, store: PlaneStore, *, progress: bool = True, stats_every: int = 16) -> PackSummary:
     """Write every missing layer of `store` from `ckpt`. Error statistics (planes vs the source values) are
     taken on every `stats_every`-th expert, enough to see a broken conversion without doubling the work."""
@@ -140,12 +172,13 @@ def pack(ckpt: Checkpoint, store: PlaneStore, *, progress: bool = True, stats_ev
     E = store.shape.experts
     errors: list[ErrorStats] = []
     written = read = 0
-    with store.writer() as w:
+    with store.writer() as w, interrupt_between_steps() as check_interrupt:
         todo = store.missing_layers()            # the writer may have reset a stale store
         bar = tqdm(total=len(todo) * E, unit="expert", disable=not progress, smoothing=0.1)
         for layer in todo:
             bar.set_description(f"pack layer {layer + 1}/{store.shape.layers}", refresh=False)
             for e in range(E):
+                check_interrupt()
                 planes = []
                 for t in EXPERT_TENSORS:
                     src = ckpt.get(f"{prefixes[layer]}{e}.{t}.weight")
