@@ -170,3 +170,31 @@ def test_unseeded_sampling_keeps_its_distribution(repeating_model):
     assert p > 0.001
     shifted = [t if i % 3 else samples["plain"][0] for i, t in enumerate(samples["plain"])]
     assert _chi_square_p(samples["mtp"], shifted) < 0.001              # the test can tell distributions apart
+
+
+@pytest.fixture(scope="module")
+def demo_chat_prompts() -> tuple[object, list[list[int]]]:
+    """The shipped (trained) demo and three held-out chat prompts: tool declarations (hundreds of tokens),
+    arithmetic (a few), multi-turn."""
+    from moebox.demo import demo_model_dir
+    from moebox.train.data import eval_records
+    from moebox.train.evaluate import chat_prompts
+    from tokenizers import Tokenizer
+    model = demo_model_dir()
+    records = eval_records(seed=1, n_per_kind=1, kinds=("tool_call", "arith", "multi_turn"))
+    return model, chat_prompts(Tokenizer.from_file(str(model / "tokenizer.json")), records)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_tokens_equal_plain_decoding_on_the_trained_demo(demo_chat_prompts, k):
+    """Issue E on issue G's model: real drafts, mostly accepted and sometimes not, so both the accept path and
+    the rollback of every cache a rejected draft touched are exercised on text the model knows."""
+    model, prompts = demo_chat_prompts
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)   # past the window (64) and many
+    # compressor windows (4 and 16) while drafting
+    plain, _ = _generate(model, None, greedy, prompts)
+    spec, llm = _generate(model, {"num_speculative_tokens": k, "adaptive": False}, greedy, prompts)
+    assert spec == plain
+    drafted, accepted = (c._value.get() for c in (llm.engine.metrics.spec_drafted, llm.engine.metrics.spec_accepted))
+    print(f"\ndemo, k={k}: accepted {accepted:.0f} of {drafted:.0f} drafts")
+    assert 0.3 * drafted < accepted < drafted               # both outcomes happen
