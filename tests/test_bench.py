@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from moebox.bench.decode import _step_batch, dense_bytes, distinct_experts, expert_bytes
+from moebox.bench.decode import _step_batch, distinct_experts, expert_bytes
 from moebox.bench.synthetic import synthetic_weights
 from moebox.config import parse_config
 from moebox.model.deepseek_v4 import DeepseekV4
@@ -57,7 +57,6 @@ def test_step_bytes_follow_the_routing():
     assert hits[0] == cfg.num_layers * k                            # one token: k distinct experts per layer
     assert hits[0] < hits[1] <= cfg.num_layers * min(8 * k, cfg.n_routed_experts)
     assert expert_bytes(cfg) * 8 == 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2.25
-    assert dense_bytes(model, weights, 2) - dense_bytes(model, weights, 1) == cfg.hidden_size * 2
 
 
 def test_bench_spec_cli_compares_mtp_with_plain_on_the_demo():

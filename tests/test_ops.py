@@ -452,3 +452,28 @@ def test_route_bias_steers_selection_but_not_weights():
         assert set(idx2[t].tolist()) == set(top)
         for e, wt in zip(idx2[t].tolist(), w2[t].tolist()):
             assert wt == pytest.approx(float(scores[t, e]) * 2.5, rel=1e-5)
+
+
+def test_shared_input_linear_stacks_what_it_can_and_equals_separate_products():
+    """Weights of one input run as one product per stackable set (FP8 in whole 128-row scale blocks; one float
+    dtype), in the order given; FP8 rows that end mid block and trainable parameters stay apart, and gradients
+    still reach a parameter."""
+    from moebox.ops.linear import SharedInputLinear, linear
+    from moebox.weights.formats import QuantTensor, quant_fp8_block
+    g = torch.Generator().manual_seed(0)
+
+    def fp8(rows: int) -> QuantTensor:
+        return QuantTensor("fp8", *quant_fp8_block(torch.randn(rows, 192, generator=g)))
+
+    param = torch.nn.Parameter(torch.randn(24, 192, generator=g))
+    weights = [fp8(128), torch.randn(64, 192, generator=g).bfloat16(), fp8(256), fp8(100), param,
+               torch.randn(32, 192, generator=g).bfloat16()]
+    shared = SharedInputLinear(*weights)
+    assert sorted(idx for idx, _ in shared.parts) == [[0, 2], [1, 5], [3], [4]]
+    x = torch.randn(3, 192, generator=g)
+    outs = shared(x)
+    assert [o.shape[-1] for o in outs] == [128, 64, 256, 100, 24, 32]
+    for o, w in zip(outs, weights):
+        torch.testing.assert_close(o, linear(x, w), rtol=1e-5, atol=1e-5)
+    outs[4].sum().backward()
+    assert param.grad is not None and param.grad.abs().sum() > 0

@@ -74,14 +74,11 @@ def _nbytes(w: object) -> int:
     return w.nbytes if hasattr(w, "nbytes") else 0
 
 
-def dense_bytes(model: DeepseekV4, weights: dict[str, object], batch: int) -> int:
-    """Non-expert weight bytes one step reads: everything but the embedding (batch rows of it) and the experts."""
-    total = 0
-    for name, w in weights.items():
-        if ".ffn.experts." in name:
-            continue
-        total += batch * model.cfg.hidden_size * 2 if name == "embed.weight" else _nbytes(w)
-    return total
+def dense_bytes(weights: dict[str, object]) -> int:
+    """Non-expert weight bytes a step reads, but the embedding (the step reads one row of it per sequence):
+    counted from the weights before the model is built (the model stacks some of them and the loader drops the
+    originals)."""
+    return sum(_nbytes(w) for name, w in weights.items() if ".ffn.experts." not in name and name != "embed.weight")
 
 
 def expert_bytes(cfg: ModelConfig) -> int:
@@ -149,7 +146,7 @@ def _step_batch(cfg: ModelConfig, batch: int, context: int, device: torch.device
                        torch.arange(batch).repeat_interleave(rows).to(device))
 
 
-def bench_decode(model: DeepseekV4, weights: dict[str, object], batches: Sequence[int], contexts: Sequence[int],
+def bench_decode(model: DeepseekV4, dense: int, batches: Sequence[int], contexts: Sequence[int],
                  copy_bw: float, steps: int = 20, use_graphs: bool = True) -> list[DecodeRow]:
     cfg, device = model.cfg, model.embed.device
     rows = []
@@ -163,7 +160,8 @@ def bench_decode(model: DeepseekV4, weights: dict[str, object], batches: Sequenc
                 step = _timed(lambda: graphs.run(ids, pos, slots), device, steps)
             else:
                 step = _timed(lambda: model.forward(batch, cache), device, steps)
-            moved = dense_bytes(model, weights, b) + distinct_experts(model, batch, cache) * expert_bytes(cfg)
+            moved = dense + b * cfg.hidden_size * model.embed.element_size() + \
+                distinct_experts(model, batch, cache) * expert_bytes(cfg)
             rows.append(DecodeRow(context, b, step, moved, b * cache_read_bytes(cfg, context, model.dtype), copy_bw))
             log.info("decode context %d batch %d: %.2f ms", context, b, step * 1e3)
         graphs = cache = None                    # free this context's cache before the next one
@@ -242,7 +240,7 @@ def breakdown(model: DeepseekV4, batch: DecodeBatch, cache, steps: int = 10) -> 
     (mHC, norms, embedding) plus the joins between them."""
     parts = {"attention": [(layer, "attn") for layer in model.layers],
              "routed experts": [(layer.ffn, "routed") for layer in model.layers],
-             "shared experts": [(layer.ffn, "shared_expert") for layer in model.layers if layer.ffn.shared],
+             "shared experts": [(layer.ffn, "shared_expert") for layer in model.layers if layer.ffn.shared_in],
              "head": [(model, "out")]}
     recorders = {name: [(obj, attr, _Recorder(getattr(obj, attr))) for obj, attr in items]
                  for name, items in parts.items()}
@@ -292,7 +290,7 @@ def active_matmul_params(cfg: ModelConfig, weights: dict[str, object]) -> int:
     return n + cfg.num_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
-def bench_prefill(model: DeepseekV4, weights: dict[str, object], prompts: Sequence[int], chunk: int,
+def bench_prefill(model: DeepseekV4, matmul_params: int, prompts: Sequence[int], chunk: int,
                   rate: float) -> list[PrefillRow]:
     cfg, device = model.cfg, model.embed.device
     rows = []
@@ -305,7 +303,7 @@ def bench_prefill(model: DeepseekV4, weights: dict[str, object], prompts: Sequen
                 model.forward(FlatBatch.build([(0, start, ids[start:start + chunk])], device), cache)
 
         seconds = _timed(run, device, 1)
-        rows.append(PrefillRow(n, seconds, 2.0 * active_matmul_params(cfg, weights) * n, rate))
+        rows.append(PrefillRow(n, seconds, 2.0 * matmul_params * n, rate))
         log.info("prefill %d tokens: %.2f s", n, seconds)
     return rows
 
@@ -348,26 +346,29 @@ def run(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     weights = synthetic_weights(cfg, device)
-    model = DeepseekV4(cfg, weights.__getitem__, qat=False, dtype=dtype, load_mtp=False)
-    print(f"model: {args.preset}, {cfg.num_layers} layers, {sum(_nbytes(w) for w in weights.values()) / GB:.2f} GB "
-          f"of weights on {device} (built in {time.perf_counter() - t0:.0f} s)")
+    total, dense, matmul_params = sum(map(_nbytes, weights.values())), dense_bytes(weights), \
+        active_matmul_params(cfg, weights)
+    model = DeepseekV4(cfg, weights.pop, qat=False, dtype=dtype, load_mtp=False)
+    del weights
+    print(f"model: {args.preset}, {cfg.num_layers} layers, {total / GB:.2f} GB of weights on {device} "
+          f"(built in {time.perf_counter() - t0:.0f} s)")
     with torch.inference_mode():
         if args.what == "decode":
-            _report_decode(args, model, weights, cfg, device)
+            _report_decode(args, model, dense, cfg, device)
         else:
             rate = matmul_rate(device) if device.type == "cuda" else 1e11
-            rows = bench_prefill(model, weights, args.prompt, args.chunk, rate)
+            rows = bench_prefill(model, matmul_params, args.prompt, args.chunk, rate)
             print(table(PREFILL_HEADER, [r.cells() for r in rows]))
     return 0
 
 
-def _report_decode(args: argparse.Namespace, model: DeepseekV4, weights: dict[str, object], cfg: ModelConfig,
+def _report_decode(args: argparse.Namespace, model: DeepseekV4, dense: int, cfg: ModelConfig,
                    device: torch.device) -> None:
     from moebox.runtime.plan import plan_for
     on_gpu = device.type == "cuda"
     bw = copy_bandwidth(device) if on_gpu else 10 * GB
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s" + ("" if on_gpu else " (assumed on CPU)"))
-    rows = bench_decode(model, weights, args.batch, args.context, bw, args.steps, on_gpu and not args.enforce_eager)
+    rows = bench_decode(model, dense, args.batch, args.context, bw, args.steps, on_gpu and not args.enforce_eager)
     print(table(DECODE_HEADER, [r.cells() for r in rows]))
     if args.verify:
         verify = bench_verify(model, args.batch, args.context[0], args.verify, args.steps,

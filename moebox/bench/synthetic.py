@@ -91,5 +91,5 @@ def synthetic_weights(cfg: ModelConfig, device: torch.device | str, seed: int = 
 def synthetic_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
                     seed: int = 0, progress: bool = True) -> DeepseekV4:
     """The model over `synthetic_weights` (QAT off, model-dtype cache, no MTP)."""
-    weights = synthetic_weights(cfg, device, seed, progress=progress)
-    return DeepseekV4(cfg, weights.__getitem__, qat=False, dtype=dtype, load_mtp=False)
+    return DeepseekV4(cfg, synthetic_weights(cfg, device, seed, progress=progress).pop, qat=False, dtype=dtype,
+                      load_mtp=False)

@@ -22,7 +22,7 @@ from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
 from moebox.model.decode_attention import attend, compress_step, index_select, window_mask, window_step
 from moebox.ops.attention import local_sink_attention, sink_attention
 from moebox.ops.compress import pool_windows
-from moebox.ops.linear import Weight, grouped_linear, linear
+from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, rope_inv_freq
@@ -50,14 +50,10 @@ class Compressor:
 
     def __init__(self, get: WeightSource, prefix: str, *, ratio: int, overlap: bool, inv_freq: torch.Tensor,
                  eps: float, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        self.wkv, self.wgate = get(prefix + "wkv.weight"), get(prefix + "wgate.weight")
+        """Its projections `wkv` and `wgate` run with the attention's other projections of x (`Attention.from_x`);
+        the compressor takes their outputs as fp32 rows, the gate without `ape` (added when pooled)."""
         self.ape, self.norm = get(prefix + "ape"), get(prefix + "norm.weight")
         self.ratio, self.overlap, self.inv_freq, self.eps, self.finish = ratio, overlap, inv_freq, eps, finish
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw per-token projections as fp32 (computed in x's dtype: on the GPU a bf16 matmul with fp32
-        accumulation, never a widened copy of the weight); the gate gets ape only when pooled."""
-        return linear(x, self.wkv).float(), linear(x, self.wgate).float()
 
     def entries_for(self, seg: Segment, kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor | None,
                     ring_gate: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +118,13 @@ class Attention:
     def __init__(self, cfg: ModelConfig, get: WeightSource, prefix: str, kind: str, ratio: int, qat: bool) -> None:
         self.cfg, self.kind, self.ratio, self.qat = cfg, kind, ratio, qat
         g = lambda n: get(prefix + n)  # noqa: E731
-        self.wq_a, self.q_norm, self.wq_b = g("wq_a.weight"), g("q_norm.weight"), g("wq_b.weight")
-        self.wkv, self.kv_norm = g("wkv.weight"), g("kv_norm.weight")
+        self.q_norm, self.kv_norm = g("q_norm.weight"), g("kv_norm.weight")
         self.wo_a, self.wo_b, self.sink = g("wo_a.weight"), g("wo_b.weight"), g("attn_sink")
+        # the projections of x, then those of the q latent qr, each set as few products as the formats allow
+        x_names = ["wq_a", "wkv"] + (["compressor.wkv", "compressor.wgate"] if kind != SLIDING else [])
+        x_names += ["indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate"] if kind == CSA else []
+        self.from_x = SharedInputLinear(*(g(n + ".weight") for n in x_names))
+        self.from_qr = SharedInputLinear(*(g(n + ".weight") for n in ["wq_b"] + (["indexer.wq_b"] if kind == CSA else [])))
         theta, yarn = cfg.layer_rope(kind)
         self.inv_freq = rope_inv_freq(cfg.rope_head_dim, theta, yarn).to(self.sink.device)
         self.compressor = self.indexer = None
@@ -134,8 +134,6 @@ class Attention:
             self.compressor = Compressor(get, prefix + "compressor.", ratio=ratio, overlap=kind == CSA,
                                          inv_freq=self.inv_freq, eps=eps, finish=finish)
         if kind == CSA:
-            self.index_wq_b = g("indexer.wq_b.weight")
-            self.index_weights_proj = g("indexer.weights_proj.weight")
             self.indexer = Compressor(get, prefix + "indexer.compressor.", ratio=ratio, overlap=True,
                                       inv_freq=self.inv_freq, eps=eps, finish=round_index_vectors if qat else None)
 
@@ -143,21 +141,23 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg, pos = self.cfg, batch.positions
         n = x.shape[0]
-        qr = rms_norm(linear(x, self.wq_a), self.q_norm, cfg.rms_norm_eps)
-        q = linear(qr, self.wq_b).view(n, cfg.num_heads, cfg.head_dim)
-        q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), pos, self.inv_freq)
-        kv = apply_rope(rms_norm(linear(x, self.wkv), self.kv_norm, cfg.rms_norm_eps), pos, self.inv_freq)
+        q_a, kv, *rest = self.from_x(x)
+        qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
+        q, *index_q = self.from_qr(qr)
+        q = apply_rope(rms_norm(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps), pos, self.inv_freq)
+        kv = apply_rope(rms_norm(kv, self.kv_norm, cfg.rms_norm_eps), pos, self.inv_freq)
         if self.qat:
             kv = round_kv_nope(kv, cfg.nope_head_dim)
-        comp = self.compressor.project(x) if self.compressor else None
+        # compressor rows in fp32 (the products ran in x's dtype: on the GPU bf16 with fp32 accumulation)
+        rest = [r.float() for r in rest]
+        comp = (rest[0], rest[1]) if self.compressor else None
         idx = None
         if self.indexer is not None:
-            qi = linear(qr, self.index_wq_b).view(n, cfg.index_n_heads, cfg.index_head_dim)
-            qi = apply_rope(qi, pos, self.inv_freq)
+            qi = apply_rope(index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim), pos, self.inv_freq)
             if self.qat:
                 qi = round_index_vectors(qi)
-            wi = linear(x, self.index_weights_proj).float() * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
-            idx = (qi, wi, self.indexer.project(x))
+            wi = rest[2] * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+            idx = (qi, wi, (rest[3], rest[4]))
 
         if isinstance(batch, DecodeBatch):
             assert cache is not None, "a DecodeBatch needs a KVCache"

@@ -11,8 +11,8 @@ import torch
 
 from moebox.config import ModelConfig
 from moebox.model.attention import WeightSource
-from moebox.ops.linear import Weight
-from moebox.ops.moe import mlp, route, routed_experts
+from moebox.ops.linear import SharedInputLinear, Weight, linear
+from moebox.ops.moe import route, routed_experts, swiglu
 
 
 DECODE_TOKENS = 16     # up to this many tokens, w2 experts on CUDA run the fused Triton decode kernels
@@ -24,9 +24,12 @@ class MoE:
         self.gate = get(prefix + "gate.weight")
         self.bias = None if is_hash else get(prefix + "gate.bias")
         self.tid2eid = get(prefix + "gate.tid2eid") if is_hash else None
-        self.shared = tuple(get(f"{prefix}shared_experts.{w}.weight") for w in ("w1", "w3", "w2")) \
-            if cfg.n_shared_experts else None
-        self._get, self._prefix = get, prefix
+        self.shared_in = self.shared_out = None
+        if cfg.n_shared_experts:      # gate and up read the same x: one product where their formats stack
+            self.shared_in = SharedInputLinear(*(get(f"{prefix}shared_experts.{w}.weight") for w in ("w1", "w3")))
+            self.shared_out = get(prefix + "shared_experts.w2.weight")
+        self.experts = [tuple(get(f"{prefix}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
+                        for e in range(cfg.n_routed_experts)]
         self.on_route: Callable[[torch.Tensor], None] | None = None   # observer of the chosen experts [N, k]
         try:                                    # a plane-store layer buffer [experts, slot] when experts are w2
             self.layer_planes = get(prefix + "experts.planes")
@@ -34,12 +37,11 @@ class MoE:
             self.layer_planes = None
 
     def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
-        p = f"{self._prefix}experts.{e}."
-        return self._get(p + "w1.weight"), self._get(p + "w3.weight"), self._get(p + "w2.weight")
+        return self.experts[e]
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         out = self.routed(x, tokens)
-        if self.shared is not None:
+        if self.shared_in is not None:
             out = out + self.shared_expert(x)
         return out
 
@@ -57,4 +59,5 @@ class MoE:
         return routed_experts(x, idx, w, self.expert, cfg.swiglu_limit)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp(x, *self.shared, limit=None)   # the reference does not clamp the shared expert
+        gate, up = self.shared_in(x)
+        return linear(swiglu(gate, up, None), self.shared_out)   # the reference does not clamp the shared expert

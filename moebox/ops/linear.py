@@ -6,6 +6,9 @@ else, and every CPU run, is the torch reference: dequantize the whole weight per
 
 from __future__ import annotations
 
+import os
+from collections.abc import Hashable, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +28,50 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         y = fp8_linear(x.reshape(-1, x.shape[-1]), w)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return F.linear(x, dense_weight(w, x.dtype))
+
+
+def _stack_key(w: Weight, i: int) -> Hashable:
+    """Weights with equal keys stack into one (their rows concatenated); a unique key keeps w on its own:
+    trainable parameters (the product must reach each one), FP4/planes, FP8 rows that end mid scale block; every
+    weight when MOEBOX_STACK_LINEARS=0 (to measure what stacking gains)."""
+    if os.environ.get("MOEBOX_STACK_LINEARS", "1") == "0":
+        return "alone", i
+    if isinstance(w, torch.Tensor) and not w.requires_grad:
+        return "float", w.dtype, w.device, w.shape[1]
+    if isinstance(w, QuantTensor) and w.kind == "fp8" and w.shape[0] % w.block[0] == 0:
+        return "fp8", w.block, w.data.dtype, w.data.device, w.shape[1]
+    return "alone", i
+
+
+def _stack_rows(ws: Sequence[Weight]) -> Weight:
+    if len(ws) == 1:
+        return ws[0]
+    if isinstance(ws[0], QuantTensor):
+        return QuantTensor("fp8", torch.cat([w.data for w in ws]), torch.cat([w.scale for w in ws]), ws[0].block)
+    return torch.cat(list(ws))
+
+
+class SharedInputLinear:
+    """Several linears of one input, as few products as their formats allow: weights that stack (same float
+    dtype, or FP8 in whole scale blocks) run as one matmul over their concatenated rows whose output is split.
+    On the GPU a decode step is bound by launches, and this is one launch and one pass over x instead of one
+    per weight. Built from the separate weights, which a loader should not keep (the stacked copy replaces
+    them)."""
+
+    def __init__(self, *weights: Weight) -> None:
+        groups: dict[Hashable, list[int]] = {}
+        for i, w in enumerate(weights):
+            groups.setdefault(_stack_key(w, i), []).append(i)
+        self.rows = [w.shape[0] for w in weights]
+        self.parts = [(idx, _stack_rows([weights[i] for i in idx])) for idx in groups.values()]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x @ w.T for each weight, in the order given (column slices of a shared product are views)."""
+        out: list[torch.Tensor] = [x] * len(self.rows)
+        for idx, w in self.parts:
+            for i, y in zip(idx, linear(x, w).split([self.rows[i] for i in idx], dim=-1)):
+                out[i] = y
+        return out
 
 
 def grouped_linear(x: torch.Tensor, w: Weight, groups: int) -> torch.Tensor:

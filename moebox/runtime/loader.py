@@ -89,7 +89,8 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu", dty
     wanted = [n for n in names if (use_mtp or not n.startswith("mtp.")) and n not in weights]
     for name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         weights[name] = (draft if separate and name.startswith("mtp.") else ckpt).get(name).to(device)
-    model = DeepseekV4(cfg, weights.__getitem__, qat=qat, dtype=dtype, load_mtp=use_mtp,
+    # pop: the model keeps what it uses, and the weights it stacks (SharedInputLinear) are freed layer by layer
+    model = DeepseekV4(cfg, weights.pop, qat=qat, dtype=dtype, load_mtp=use_mtp,
                        kv_layout="fp8" if kv_cache_dtype == "fp8" else "model")
     log.info("loaded %s (%s layout, %d layers, %s experts, QAT rounding %s)", model_dir, ckpt.layout,
              cfg.num_layers, experts, "on" if qat else "off")
