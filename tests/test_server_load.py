@@ -283,8 +283,10 @@ def own_server(tmp_path_factory: pytest.TempPathFactory, name: str, args: list[s
 
 
 @pytest.fixture(scope="module")
-def soak_server(tmp_path_factory: pytest.TempPathFactory):
-    server = own_server(tmp_path_factory, "soak-server", ["--max-num-seqs", "4", "--max-waiting", "256"])
+def soak_server(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt):
+    """The server's own robustness under load, so the tiny model (the trained demo is ~10x slower per token)."""
+    server = own_server(tmp_path_factory, "soak-server", [str(tiny_ckpt), "--served-model-name", MODEL,
+                                                          "--max-num-seqs", "4", "--max-waiting", "256"])
     yield server
     server.stop()
 
