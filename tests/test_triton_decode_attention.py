@@ -160,7 +160,7 @@ def test_bench_logic_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     def kernel(q, ring, slot, window_visible, sink, scale, entries=None, rows=None, valid=None, *, out, config):
         return out.copy_(attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
 
-    monkeypatch.setattr(da, "_graph_us", timer)
+    monkeypatch.setattr(da, "graph_us", timer)
     monkeypatch.setattr(da, "attend_triton", kernel)
     rows = da.bench("cpu", batches=(1, 2), l2_miss_bytes=2 << 20, quiet=True,
                     configs=(("default", AttendConfig()), ("h32", AttendConfig(heads=32))))

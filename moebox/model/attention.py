@@ -269,5 +269,8 @@ class Attention:
 
     def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,
                   ring_gate, entries, finish: str | None) -> torch.Tensor:
-        return compress_step(proj[0], proj[1], batch.positions, batch.slots, ring_kv, ring_gate, entries, c.ape,
+        step = compress_step
+        if (proj[0].is_cuda or interpreting()) and os.environ.get("MOEBOX_COMPRESS_KERNEL", "1") != "0":
+            from moebox.ops.triton.compress_decode import compress_decode as step   # one launch where it can
+        return step(proj[0], proj[1], batch.positions, batch.slots, ring_kv, ring_gate, entries, c.ape,
                              c.norm, c.inv_freq, c.ratio, c.overlap, c.eps, finish, self.cfg.nope_head_dim)

@@ -90,12 +90,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import HAVE_TRITON, interpreting, num_sms, tl, triton  # noqa: F401
+from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, num_sms,  # noqa: F401
+                                       tl, triton, versions)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
            "attend_decode", "random_inputs", "sass_report", "bench", "sweep"]
@@ -472,10 +472,7 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
     SASS counts that matter: HMMA/HGMMA (tensor cores), LDGSTS (cp.async: the key tiles pipelined),
     16-byte vs 2-byte global loads, local-memory traffic."""
     import collections
-    import os
     import re
-    import subprocess
-    import tempfile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -503,12 +500,7 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
                     attrs={a: [["tt.divisibility", 16]] for a in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        dump = [subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True, text=True,
-                               check=True).stdout for flag in ("--dump-sass", "--dump-resource-usage")]
+    dump = cubin_dump(compiled.asm["cubin"])
     ops = collections.Counter(re.findall(r"\b(HGMMA|HMMA|LDGSTS|LDL|STL|LDG\.E\.128|LDG\.E\.U16|LDG\.E\.64|"
                                          r"LDG\.E(?=[ .]))", dump[0]))
     ptx = compiled.asm["ptx"]
@@ -533,14 +525,6 @@ def key_bytes(inp: dict) -> int:
     if inp.get("entries") is not None:
         n += inp["valid"].shape[1] * inp["entries"].element_size() * b
     return n * inp["q"].shape[2]
-
-
-def _graph_us(calls: Sequence[Callable[[], object]], rep: int = 100) -> float:
-    """Per-call time (us) of `calls` captured back to back in one CUDA graph, replayed."""
-    graph, _ = capture(lambda: [c() for c in calls])
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep)
-    del graph
-    return ms * 1e3 / len(calls)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -585,7 +569,7 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
                                                                               device=device)[None, :]
                     return attend(a["q"], keys, a["window_visible"], a["sink"], a["scale"], a["entries"], s, rws,
                                   a["valid"])
-                us_ref = _graph_us([lambda s=s: torch_call(s) for s in slots])
+                us_ref = graph_us([lambda s=s: torch_call(s) for s in slots])
             else:
                 us_ref = float("nan")
             for cname, cfg in configs:
@@ -594,7 +578,7 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
                 err = _rel(got, ref)
                 fns = [lambda s=s, o=outs[i % len(outs)], a=args, c=cfg: attend_triton(slot=s, **a, config=c, out=o)
                        for i, s in enumerate(slots)]
-                us = _graph_us(fns)
+                us = graph_us(fns)
                 row = dict(kind=kind, B=b, config=cname, key_bytes=kb, copies=copies, us=us, GB_s=kb / us / 1e3,
                            torch_us=us_ref, torch_GB_s=kb / us_ref / 1e3, rel_err=err)
                 rows_out.append(row)
@@ -657,8 +641,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{name:14s} regs {rep['registers']:3d} spill {rep['spills']:5d} smem {rep['shared']:6d} "
                   f"cp.async {rep['ptx_cp_async']:3d} {rep['sass']}", flush=True)
         return
-    print(f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}", flush=True)
+    print(versions(), flush=True)
     if not (HAVE_TRITON and torch.cuda.is_available()):
         raise SystemExit("the bench needs CUDA and triton")
     bench(batches=args.batch, kinds=args.kind, torch_ref=not args.no_torch)

@@ -58,7 +58,7 @@ import torch
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 
 from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import HAVE_TRITON, num_sms, tl, triton  # noqa: F401 - Triton is optional
+from moebox.ops.triton.runtime import HAVE_TRITON, num_sms, tl, triton, versions  # noqa: F401 - optional
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -475,8 +475,7 @@ def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 16)) 
 
 if __name__ == "__main__":  # python -m moebox.ops.triton.mhc [--sweep]
     import sys
-    print(f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
+    print(versions())
     bench()
     if "--sweep" in sys.argv:
         sweep()

@@ -11,6 +11,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import functools
 import os
+import subprocess
+import tempfile
+from typing import Callable, Sequence
 
 import torch
 
@@ -33,4 +36,31 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-__all__ = ["HAVE_TRITON", "triton", "tl", "num_sms", "interpreting"]
+def versions() -> str:
+    """The line a kernel bench prints first: torch, triton and the device it runs on."""
+    return (f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
+            f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
+
+
+def graph_us(calls: Sequence[Callable[[], object]], rep: int = 100) -> float:
+    """Per-call time (us) of `calls` captured back to back in one CUDA graph, replayed."""
+    from moebox.ops.cuda_graphs import capture
+    graph, _ = capture(lambda: [c() for c in calls])
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep)
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+def cubin_dump(cubin: bytes) -> tuple[str, str]:
+    """(SASS, resource usage) of a compiled kernel, by the cuobjdump that ships with Triton (no GPU needed):
+    what the kernels' `--sass` reports read registers, spills and instruction counts from."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass, usage = (subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True,
+                                      text=True, check=True).stdout for flag in ("--dump-sass", "--dump-resource-usage"))
+    return sass, usage
+
+
+__all__ = ["HAVE_TRITON", "triton", "tl", "num_sms", "interpreting", "versions", "graph_us", "cubin_dump"]

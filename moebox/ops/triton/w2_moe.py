@@ -85,7 +85,6 @@ in the 50 MB L2).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -95,7 +94,8 @@ from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
 from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import HAVE_TRITON, interpreting, tl, triton  # noqa: F401 - Triton is optional
+from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, interpreting, tl, triton,  # noqa: F401
+                                       versions)
 
 
 @dataclass(frozen=True)
@@ -724,8 +724,6 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
     import collections
     import re
-    import subprocess
-    import tempfile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -749,12 +747,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
               for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")}
     steps = (16 if kernel == "gate_up" else 48) // split   # K steps of a warp; a loop of <= prefetch unrolls
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        dump = [subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True, text=True,
-                               check=True).stdout for flag in ("--dump-sass", "--dump-resource-usage")]
+    dump = cubin_dump(compiled.asm["cubin"])
     line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"   # address, optional predicate
     ins = [(int(a, 16), op) for a, op in re.findall(line + r"([A-Z][\w.]*)", dump[0])]
     back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", dump[0])
@@ -829,8 +822,7 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
 
 if __name__ == "__main__":  # python -m moebox.ops.triton.w2_moe [--sweep]
     import sys
-    print(f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
+    print(versions())
     if "--sass" in sys.argv:   # no GPU needed
         for name, split in (("gate_up", DEFAULT_CONFIG.gate_split), ("down", DEFAULT_CONFIG.down_split)):
             print(sass_report(name, split, DEFAULT_CONFIG.prefetch))
