@@ -102,7 +102,8 @@ def test_supported(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ok()
     assert ok(finish=None) and ok(finish="index") and ok(nope_dim=0) and ok(nope_dim=32)
     assert ok(pos=inp["pos"].int(), slot=inp["slot"].int())
-    assert not ok(kv=inp["kv"].half()) and not ok(gate=inp["gate"].half())    # fp32 only, as the ring store
+    assert ok(kv=inp["kv"].half(), gate=inp["gate"].bfloat16())           # the projections' dtype, widened
+    assert not ok(kv=inp["kv"].to(torch.int32))
     assert ok(entries=inp["entries"].half()) and ok(ape=inp["ape"].half(), norm=inp["norm"].half())
     assert ok(ring_kv=inp["ring_kv"][:, :8], ring_gate=inp["ring_gate"][:, :8])     # ring rows == span
     assert ok(kv=torch.randn(3, 80)[:, :64])                                          # row-strided kv
@@ -324,6 +325,11 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     inp.update(pos=inp["pos"].int(), slot=inp["slot"].int(), kv=torch.randn(3, 2, 64)[:, 1], gate=wide[:, 8:72],
                ape=inp["ape"].half(), norm=inp["norm"].bfloat16())
     add("csa int32 strided kv, fp16 ape, bf16 norm", inp)
+    # fp16 kv / gate rows, column slices of one wider product (as the attention's stacked projections give them)
+    inp = tiny(seed=21, positions=[11, 14, 3], nope_dim=24)
+    product = torch.randn(3, 160).half()
+    inp.update(kv=product[:, :64], gate=product[:, 96:])
+    add("csa fp16 kv / gate slices", inp)
     # a speculative verify step: several consecutive tokens of one sequence (one slot) in the batch, the
     # closing one first (the interpreter runs programs in order: its window's rows of this step are not in the
     # ring yet, as on a GPU they may not be); compress_step stores every row before pooling any

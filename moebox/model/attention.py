@@ -63,6 +63,7 @@ class Compressor:
         then updated with the segment's rows.
         """
         r = self.ratio
+        kv, gate = kv.float(), gate.float()
         w_lo, w_hi = seg.start // r, (seg.end + 1) // r - 1
         windows = torch.arange(w_lo, w_hi + 1, device=kv.device)
         dev = kv.device
@@ -92,6 +93,7 @@ class Compressor:
         entries [B, T // ratio, dim]."""
         b, t, _ = kv.shape
         windows = torch.arange(t // self.ratio, device=kv.device)
+        kv, gate = kv.float(), gate.float()
         gate = gate + self.ape.float()[torch.arange(t, device=kv.device) % self.ratio]
         pooled = pool_windows(kv, gate, 0, windows, self.ratio, self.overlap)               # [B, nw, dim]
         e = self._finish(pooled.flatten(0, 1), windows.repeat(b), out_dtype)
@@ -134,6 +136,7 @@ class Attention:
             self.compressor = Compressor(get, prefix + "compressor.", ratio=ratio, overlap=kind == CSA,
                                          inv_freq=self.inv_freq, eps=eps, finish=finish)
         if kind == CSA:
+            self.index_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5      # of the head weights
             self.indexer = Compressor(get, prefix + "indexer.compressor.", ratio=ratio, overlap=True,
                                       inv_freq=self.inv_freq, eps=eps, finish=round_index_vectors if qat else None)
 
@@ -148,16 +151,15 @@ class Attention:
         kv = apply_rope(rms_norm(kv, self.kv_norm, cfg.rms_norm_eps), pos, self.inv_freq)
         if self.qat:
             kv = round_kv_nope(kv, cfg.nope_head_dim)
-        # compressor rows in fp32 (the products ran in x's dtype: on the GPU bf16 with fp32 accumulation)
-        rest = [r.float() for r in rest]
+        # compressor and indexer rows stay in x's dtype here (on the GPU: bf16 products with fp32 accumulation);
+        # their users widen them to fp32, inside the decode step's fused functions and kernels
         comp = (rest[0], rest[1]) if self.compressor else None
         idx = None
         if self.indexer is not None:
             qi = apply_rope(index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim), pos, self.inv_freq)
             if self.qat:
                 qi = round_index_vectors(qi)
-            wi = rest[2] * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
-            idx = (qi, wi, (rest[3], rest[4]))
+            idx = (qi, rest[2], (rest[3], rest[4]))
 
         if isinstance(batch, DecodeBatch):
             assert cache is not None, "a DecodeBatch needs a KVCache"
@@ -190,7 +192,7 @@ class Attention:
                 keys = self.indexer.fresh_entries(ikv.view(b, t, -1), igate.view(b, t, -1), qi.dtype)
                 scores = torch.relu(torch.einsum("bthd,bed->bthe", qi.view(b, t, *qi.shape[1:]).float(),
                                                  keys.float()))
-                scores = (scores * wi.view(b, t, -1, 1)).sum(dim=2).masked_fill(~ent_visible, float("-inf"))
+                scores = (scores * (wi.float() * self.index_scale).view(b, t, -1, 1)).sum(dim=2).masked_fill(~ent_visible, float("-inf"))
                 chosen = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
                 if (k := min(cfg.index_topk, entries.shape[1])):
                     chosen.scatter_(2, scores.topk(k, dim=-1).indices, True)
@@ -237,7 +239,7 @@ class Attention:
                                                 cache and cache.index_raw_gate, qi.dtype)
         keys = _visible_entries(cache and cache.index_keys, seg.slot, windows, new, n_vis)
         scores = torch.relu(torch.einsum("lhd,kd->lhk", qi[seg.rows].float(), keys.float()))
-        scores = (scores * wi[seg.rows].unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+        scores = (scores * (wi[seg.rows].float() * self.index_scale).unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
         k = min(self.cfg.index_topk, n_vis)
         chosen = torch.zeros_like(valid)
         if k:
@@ -257,7 +259,7 @@ class Attention:
                 qi, wi, icomp = idx
                 self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate,
                                cache.index_keys, "index" if self.qat else None)
-                rows, valid = index_select(qi, wi, cache.index_keys, slot, valid, cfg.index_topk)
+                rows, valid = index_select(qi, wi, self.index_scale, cache.index_keys, slot, valid, cfg.index_topk)
             entries = cache.entries
         if attention_kernel_takes(q, cache.window, entries):
             visible = window_mask(kv, pos, slot, cache.window, cfg.sliding_window)

@@ -45,9 +45,10 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot:
                   ring_kv: torch.Tensor, ring_gate: torch.Tensor, entries: torch.Tensor, ape: torch.Tensor,
                   norm: torch.Tensor, inv_freq: torch.Tensor, ratio: int, overlap: bool, eps: float,
                   finish: str | None, nope_dim: int) -> torch.Tensor:
-    """One compressor (main or indexer) at one token per sequence: store the raw rows kv/gate [B, C] fp32, pool
+    """One compressor (main or indexer) at one token per sequence: store the raw rows kv/gate [B, C] (as fp32), pool
     the window that ends at this token, store the entry (row w, or the scratch row when no window closes), and
     return which entries are visible now [B, E]. `finish`: the QAT rounding of the entry ("kv", "index")."""
+    kv, gate = kv.float(), gate.float()
     size = ring_kv.shape[1]
     ring_kv[slot, pos % size] = kv
     ring_gate[slot, pos % size] = gate
@@ -67,12 +68,13 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot:
 
 
 @fused
-def index_select(qi: torch.Tensor, wi: torch.Tensor, index_keys: torch.Tensor, slot: torch.Tensor,
+def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor, slot: torch.Tensor,
                  valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lightning indexer over each sequence's whole key table: (entry rows [B, k], valid [B, k])."""
+    """The lightning indexer over each sequence's whole key table: (entry rows [B, k], valid [B, k]); the head
+    weights `wi` are the raw projection, scaled here."""
     keys = index_keys[slot]                                                                 # [B, E, dI]
     scores = torch.relu(torch.einsum("bhd,bkd->bhk", qi.float(), keys.float()))
-    scores = (scores * wi.unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+    scores = (scores * (wi.float() * scale).unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
     top = scores.topk(min(topk, scores.shape[1]), dim=-1).indices
     return top, valid.gather(1, top)
 

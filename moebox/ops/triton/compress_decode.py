@@ -52,7 +52,7 @@ torch one only where a value sits within those few ulp of a rounding midpoint (r
 The Hadamard is the same butterfly (same adds in the same order) as `moebox.ops.qat.hadamard`, then a
 correctly rounded division by fp32 sqrt(d), as torch's CPU division by a Python float. FMA contraction is off.
 
-Bounds (`supported`): kv, gate [B, C] fp32 (as the rings: compress_step's store takes no other dtype) with unit
+Bounds (`supported`): kv, gate [B, C] fp32/bf16/fp16 (the projections' rows; stored widened to fp32) with unit
 stride on C; pos, slot [B] int32/int64; ring_kv, ring_gate plain fp32 tensors [S, size, C] with unit stride on
 C and size >= span; entries a plain tensor [S, n, d] fp32/bf16/fp16 with unit stride on d (not the FP8/FP4
 row objects of model/cache.py: kv_layout="fp8" takes the torch path); C = 2d with overlap else d; 1 <= d <=
@@ -64,12 +64,8 @@ all at position 0 of one scratch slot): rows of one slot whose positions share a
 torch's duplicate-index stores do (of the engine's batches only the padding rows do, in the scratch slot).
 Anything else: `compress_decode` calls the torch `compress_step`.
 
-Wiring (not done here): `Attention._compress` in moebox/model/attention.py would call
-
-    compress_decode(proj[0], proj[1], batch.positions, batch.slots, ring_kv, ring_gate, entries, c.ape,
-                    c.norm, c.inv_freq, c.ratio, c.overlap, c.eps, finish, self.cfg.nope_head_dim)
-
-(the same arguments as `compress_step`; it returns the same visibility mask).
+Wiring: `Attention._compress` (moebox/model/attention.py) calls `compress_decode` on CUDA (MOEBOX_COMPRESS_KERNEL=0
+turns it off), with the same arguments as `compress_step`.
 
 `python -m moebox.ops.triton.compress_decode [--batch 1 4 16] [--kind csa index hca]` times it against the
 compiled torch compress_step at the V4-Flash shapes in CUDA-graph replay (`--sass`: the sm_90 build report,
@@ -257,9 +253,11 @@ if HAVE_TRITON:
         src = tl.maximum(src, 0).to(tl.int64)
         cols = CH + offs[None, :]
         m2 = md[None, :]
-        v = tl.where(new[:, None], tl.load(kv_ptr + src[:, None] * s_kv + cols, mask=new[:, None] & m2, other=0.0),
+        v = tl.where(new[:, None], tl.load(kv_ptr + src[:, None] * s_kv + cols, mask=new[:, None] & m2,
+                                           other=0.0).to(tl.float32),
                      tl.load(rkv_b + rr[:, None] * s_rkr + cols, mask=old[:, None] & m2, other=0.0))
-        g = tl.where(new[:, None], tl.load(gate_ptr + src[:, None] * s_gate + cols, mask=new[:, None] & m2, other=0.0),
+        g = tl.where(new[:, None], tl.load(gate_ptr + src[:, None] * s_gate + cols, mask=new[:, None] & m2,
+                                           other=0.0).to(tl.float32),
                      tl.load(rgate_b + rr[:, None] * s_rgr + cols, mask=old[:, None] & m2, other=0.0))
         a = tl.load(ape_ptr + (jj % R).to(tl.int64)[:, None] * s_ape + cols, mask=valid[:, None] & m2,
                     other=0.0).to(tl.float32)
@@ -318,9 +316,9 @@ if HAVE_TRITON:
         # 1. the raw rows into the rings (the pool below takes the rows written in this step from kv/gate)
         row = p % SIZE
         for h in tl.static_range(2 if OVERLAP else 1):
-            x = tl.load(kv_b + h * D + offs, mask=md)
+            x = tl.load(kv_b + h * D + offs, mask=md).to(tl.float32)
             tl.store(rkv_b + row * s_rkr + h * D + offs, x, mask=md)
-            x = tl.load(gate_b + h * D + offs, mask=md)
+            x = tl.load(gate_b + h * D + offs, mask=md).to(tl.float32)
             tl.store(rgate_b + row * s_rgr + h * D + offs, x, mask=md)
         # 2. visibility: entries [0, (p + 1) // r)
         nv = (p + 1) // R
@@ -404,8 +402,8 @@ def supported(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot: tor
     def same(t: object, dims: int, dtypes: tuple) -> bool:
         return _plain(t, dims) and t.dtype in dtypes and t.device == dev
 
-    for t in (kv, gate):        # fp32, as the rings: compress_step's index_put takes no other dtype
-        if not (same(t, 2, (torch.float32,)) and tuple(t.shape) == (b, c) and t.stride(1) == 1):
+    for t in (kv, gate):        # the projections' rows, any float dtype (widened to the rings' fp32)
+        if not (same(t, 2, _FLOATS) and tuple(t.shape) == (b, c) and t.stride(1) == 1):
             return False
     for t in (pos, slot):
         if not (same(t, 1, _INDEX_DTYPES) and t.shape[0] == b):

@@ -59,21 +59,8 @@ int32/int64, window_visible bool [B, R], rows int32/int64 [B, k] or [1, k] (or N
 [B, k], sink [nh]; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (fp32/fp16 q only: the interpreter's
 bf16 dot is wrong). Anything else: callers take the torch path (`attend_decode` does that).
 
-Wiring (not done yet; after GPU validation). `Attention._decode` would call it like this:
-
-    cfg, pos, slot = self.cfg, batch.positions, batch.slots
-    # window_mask: a new @fused function, window_step without the key copy (ring store + visibility mask)
-    visible = window_mask(kv, pos, slot, cache.window, cfg.sliding_window)
-    scale = cfg.head_dim ** -0.5
-    entries = rows = valid = None
-    if self.compressor is not None:
-        valid = self._compress(self.compressor, comp, batch, ...)                  # as today
-        if self.indexer is not None:
-            ...                                                                    # as today
-            rows, valid = index_select(qi, wi, cache.index_keys, slot, valid, cfg.index_topk)
-        entries = cache.entries                                                    # HCA: rows stays None
-    return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid)
-
+Wiring: `Attention._decode` (moebox/model/attention.py) calls `attend_decode` on CUDA with plain caches
+(`attention_kernel_takes`; MOEBOX_ATTENTION_KERNEL=0 turns it off), after `window_mask` stored the new row.
 `attend_decode` is exactly the dispatch: `attend_triton` where `supported` says so, else the torch path as
 today (`attend(q, cache.window[slot].to(q.dtype), ...)` with rows = arange for HCA). FP8-layout caches
 (kv_cache_dtype="fp8": FP8Rows objects) and CPU tensors take the torch path. The ring store must precede the
