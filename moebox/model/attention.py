@@ -25,7 +25,7 @@ from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
-from moebox.ops.rope import apply_rope, rope_inv_freq
+from moebox.ops.rope import apply_rope, norm_rope, rope_inv_freq
 from moebox.ops.triton.runtime import interpreting
 
 WeightSource = Callable[[str], Weight]
@@ -100,7 +100,7 @@ class Compressor:
         return e.view(b, windows.numel(), e.shape[-1])
 
     def _finish(self, pooled: torch.Tensor, windows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        e = apply_rope(rms_norm(pooled, self.norm, self.eps), windows * self.ratio, self.inv_freq)
+        e = norm_rope(pooled, self.norm, self.eps, windows * self.ratio, self.inv_freq)
         if self.finish is not None:
             e = self.finish(e)
         return e.to(out_dtype)
@@ -147,8 +147,8 @@ class Attention:
         q_a, kv, *rest = self.from_x(x)
         qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
         q, *index_q = self.from_qr(qr)
-        q = apply_rope(rms_norm(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps), pos, self.inv_freq)
-        kv = apply_rope(rms_norm(kv, self.kv_norm, cfg.rms_norm_eps), pos, self.inv_freq)
+        q = norm_rope(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps, pos, self.inv_freq)
+        kv = norm_rope(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq)
         if self.qat:
             kv = round_kv_nope(kv, cfg.nope_head_dim)
         # compressor and indexer rows stay in x's dtype here (on the GPU: bf16 products with fp32 accumulation);

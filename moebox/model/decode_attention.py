@@ -16,9 +16,8 @@ import torch
 from moebox.ops.attention import sink_attention
 from moebox.ops.compress import pool
 from moebox.ops.fuse import fused
-from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
-from moebox.ops.rope import apply_rope
+from moebox.ops.rope import norm_rope
 
 
 @fused
@@ -57,7 +56,7 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot:
     p = (w[:, None] + 1) * ratio - span + torch.arange(span, device=pos.device)[None, :]      # [B, span]
     rows = slot[:, None], p % size
     e = pool(ring_kv[rows], ring_gate[rows] + ape.float()[p % ratio], w > 0, overlap)
-    e = apply_rope(rms_norm(e, norm, eps), w * ratio, inv_freq)
+    e = norm_rope(e, norm, eps, w * ratio, inv_freq)
     if finish == "kv":
         e = round_kv_nope(e, nope_dim)
     elif finish == "index":

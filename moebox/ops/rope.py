@@ -12,6 +12,7 @@ import torch
 
 from moebox.config import YarnScaling
 from moebox.ops.fuse import fused
+from moebox.ops.norm import rms_norm
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -48,3 +49,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     a, b = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-rd], rotated], dim=-1)
+
+
+@fused
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+              inv_freq: torch.Tensor) -> torch.Tensor:
+    """RMSNorm then RoPE, as one compiled function (one kernel on the GPU rather than two): every key, query and
+    compressed entry of V4 is normed then rotated."""
+    return apply_rope(rms_norm(x, weight, eps), positions, inv_freq)
