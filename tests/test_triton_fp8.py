@@ -633,3 +633,20 @@ def test_gpu_grouped_linear_dispatch_and_graph() -> None:
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
             assert rel_err(out, fp8_grouped_linear_reference(x.float(), w, groups)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stacked_projections_equal_the_separate_calls() -> None:
+    """The attention's stacked FP8 projections at the V4-Flash shapes (x -> wq_a + wkv, qr -> wq_b +
+    indexer.wq_b) through the kernel: each output slice within bf16 tolerance of the fp32 reference of its own
+    weight, and one product per set."""
+    from moebox.ops.linear import SharedInputLinear
+    for shapes in (((1024, 4096), (512, 4096)), ((32768, 1024), (8192, 1024))):
+        ws = [_gpu_weight(o, i) for o, i in shapes]
+        stacked = SharedInputLinear(*ws)
+        assert len(stacked.parts) == 1
+        for n in (1, 4, 16):
+            x = torch.randn(n, shapes[0][1], device="cuda", dtype=torch.bfloat16)
+            for y, w in zip(stacked(x), ws):
+                assert torch.isfinite(y).all() and rel_err(y, fp8_linear_reference(x.float(), w)) < 1e-2
