@@ -74,6 +74,17 @@ class DecodeBatch:
     positions: torch.Tensor   # [B] long
     slots: torch.Tensor       # [B] long
 
+    @staticmethod
+    def rows(parts: list[tuple[int, int, list[int]]]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(tokens, positions, slots) on the host for parts as `FlatBatch.build`, every token a row: a verify
+        step's rows of one sequence sit in one slot at consecutive positions."""
+        slots, positions, tokens = zip(*((slot, start + i, t) for slot, start, ids in parts for i, t in enumerate(ids)))
+        return tokens, positions, slots
+
+    @classmethod
+    def build(cls, parts: list[tuple[int, int, list[int]]], device: torch.device | str = "cpu") -> "DecodeBatch":
+        return cls(*(torch.tensor(v, dtype=torch.long, device=device) for v in cls.rows(parts)))
+
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.numel())

@@ -245,12 +245,11 @@ class Engine:
                 self.metrics.prompt_tokens.inc(n)
         decode_only = all(decoding)
         if decode_only:            # one token per row, every row's logits: the shape-static path (graphs on CUDA)
-            slots, positions, tokens = zip(*((slot, pos + i, t) for slot, pos, ids in parts for i, t in enumerate(ids)))
-            if self.graphs is not None and self.graphs.fits(len(tokens)):
-                out = self.graphs.run(tokens, positions, slots)
+            rows = DecodeBatch.rows(parts)
+            if self.graphs is not None and self.graphs.fits(len(rows[0])):
+                out = self.graphs.run(*rows)
             else:
-                batch = DecodeBatch(*(torch.tensor(v, device=self.device) for v in (tokens, positions, slots)))
-                out = self.model.forward(batch, self.cache)
+                out = self.model.forward(DecodeBatch.build(parts, self.device), self.cache)
         else:
             batch = FlatBatch.build(parts, self.device)
             # logits: every row of a decode part (its drafts are verified), the last row of a prefill chunk

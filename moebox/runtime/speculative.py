@@ -14,6 +14,7 @@ keeps its distribution. (Rejection sampling would accept more drafts at high tem
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from moebox.errors import MoeboxError
-from moebox.model.batch import FlatBatch
+from moebox.model.batch import DecodeBatch
 from moebox.model.cache import KVCache
 from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.runtime.sampler import SamplingParams, token_probs
@@ -140,9 +141,10 @@ class MTPDrafter:
         if not work:
             return []
         device = work[0].hidden.device
-        batch = FlatBatch.build([(w.slot, w.start, w.next_tokens) for w in work], device)
+        # the shape-static decode path (fused functions and kernels on CUDA), one row per token
+        batch = DecodeBatch.build([(w.slot, w.start, w.next_tokens) for w in work], device)
         live = [i for i, w in enumerate(work) if w.k >= 1]
-        last_rows = batch.last_rows()
+        last_rows = torch.tensor(list(itertools.accumulate(len(w.next_tokens) for w in work)), device=device) - 1
         # logits only where a draft is wanted: with k = 0 (the policy's "drafting off") the block runs for its
         # cache alone, without the head (the lm head is ~10% of a V4-Flash step's bytes)
         out = self.model.mtp_forward(torch.cat([w.hidden for w in work]), batch, self.cache,
@@ -153,7 +155,7 @@ class MTPDrafter:
         self._draw(list(zip(live, out.logits)), work, drafts)
         depth = 1
         while live := [i for i in live if work[i].k > depth]:
-            chain = FlatBatch.build([(work[i].slot, state[i][0], [drafts[i].tokens[-1]]) for i in live], device)
+            chain = DecodeBatch.build([(work[i].slot, state[i][0], [drafts[i].tokens[-1]]) for i in live], device)
             o = self.model.mtp_forward(torch.stack([state[i][1] for i in live]), chain, self.cache)
             self._draw(list(zip(live, o.logits)), work, drafts)
             for j, i in enumerate(live):
