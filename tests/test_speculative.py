@@ -198,3 +198,21 @@ def test_greedy_tokens_equal_plain_decoding_on_the_trained_demo(demo_chat_prompt
     drafted, accepted = (c._value.get() for c in (llm.engine.metrics.spec_drafted, llm.engine.metrics.spec_accepted))
     print(f"\ndemo, k={k}: accepted {accepted:.0f} of {drafted:.0f} drafts")
     assert 0.3 * drafted < accepted < drafted               # both outcomes happen
+
+
+def test_the_shape_static_drafter_drafts_what_the_segment_drafter_does(demo_chat_prompts):
+    """The MTP block as a DecodeBatch (the CUDA default) and as per-sequence segments (the CPU default) draft the
+    same tokens on the trained demo: the same counts of drafted and accepted tokens, and plain decoding's output."""
+    from moebox.runtime.speculative import MTPDrafter
+    model, prompts = demo_chat_prompts
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _ = _generate(model, None, greedy, prompts)
+    counts = []
+    for shape_static in (False, True):
+        llm = LLM(model, kv_cache_dtype="model", max_num_seqs=4, progress=False,
+                  speculative_config={"num_speculative_tokens": 2, "adaptive": False})
+        llm.engine.drafter = MTPDrafter(llm.engine.model, llm.engine.cache, shape_static=shape_static)
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, greedy)] == plain
+        counts.append(llm.engine.metrics.spec_counts())
+    print(f"\n(steps, drafted, accepted) segments {counts[0]}, shape-static {counts[1]}")
+    assert counts[0] == counts[1] and counts[0][2] > 0

@@ -51,7 +51,7 @@ class Compressor:
     def __init__(self, get: WeightSource, prefix: str, *, ratio: int, overlap: bool, inv_freq: torch.Tensor,
                  eps: float, finish: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Its projections `wkv` and `wgate` run with the attention's other projections of x (`Attention.from_x`);
-        the compressor takes their outputs as fp32 rows, the gate without `ape` (added when pooled)."""
+        the compressor takes their output rows (widened to fp32 where it pools them; `ape` is added then)."""
         self.ape, self.norm = get(prefix + "ape"), get(prefix + "norm.weight")
         self.ratio, self.overlap, self.inv_freq, self.eps, self.finish = ratio, overlap, inv_freq, eps, finish
 
@@ -126,7 +126,8 @@ class Attention:
         x_names = ["wq_a", "wkv"] + (["compressor.wkv", "compressor.wgate"] if kind != SLIDING else [])
         x_names += ["indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate"] if kind == CSA else []
         self.from_x = SharedInputLinear(*(g(n + ".weight") for n in x_names))
-        self.from_qr = SharedInputLinear(*(g(n + ".weight") for n in ["wq_b"] + (["indexer.wq_b"] if kind == CSA else [])))
+        qr_names = ["wq_b"] + (["indexer.wq_b"] if kind == CSA else [])
+        self.from_qr = SharedInputLinear(*(g(n + ".weight") for n in qr_names))
         theta, yarn = cfg.layer_rope(kind)
         self.inv_freq = rope_inv_freq(cfg.rope_head_dim, theta, yarn).to(self.sink.device)
         self.compressor = self.indexer = None
@@ -192,7 +193,8 @@ class Attention:
                 keys = self.indexer.fresh_entries(ikv.view(b, t, -1), igate.view(b, t, -1), qi.dtype)
                 scores = torch.relu(torch.einsum("bthd,bed->bthe", qi.view(b, t, *qi.shape[1:]).float(),
                                                  keys.float()))
-                scores = (scores * (wi.float() * self.index_scale).view(b, t, -1, 1)).sum(dim=2).masked_fill(~ent_visible, float("-inf"))
+                scores = (scores * (wi.float() * self.index_scale).view(b, t, -1, 1)).sum(dim=2)
+                scores = scores.masked_fill(~ent_visible, float("-inf"))
                 chosen = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
                 if (k := min(cfg.index_topk, entries.shape[1])):
                     chosen.scatter_(2, scores.topk(k, dim=-1).indices, True)
@@ -239,7 +241,8 @@ class Attention:
                                                 cache and cache.index_raw_gate, qi.dtype)
         keys = _visible_entries(cache and cache.index_keys, seg.slot, windows, new, n_vis)
         scores = torch.relu(torch.einsum("lhd,kd->lhk", qi[seg.rows].float(), keys.float()))
-        scores = (scores * (wi[seg.rows].float() * self.index_scale).unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+        scores = (scores * (wi[seg.rows].float() * self.index_scale).unsqueeze(-1)).sum(dim=1)
+        scores = scores.masked_fill(~valid, float("-inf"))
         k = min(self.cfg.index_topk, n_vis)
         chosen = torch.zeros_like(valid)
         if k:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moebox.errors import MoeboxError
-from moebox.model.batch import DecodeBatch
+from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.cache import KVCache
 from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.runtime.sampler import SamplingParams, token_probs
@@ -134,15 +134,19 @@ class MTPDrafter:
     are written at positions the next call overwrites with verified rows first, so rejected drafts leave
     nothing behind (the MTP window ring has the cache's speculative slack)."""
 
-    def __init__(self, model: DeepseekV4, cache: KVCache) -> None:
+    def __init__(self, model: DeepseekV4, cache: KVCache, shape_static: bool | None = None) -> None:
+        """`shape_static` (default: on CUDA) runs the MTP block as a `DecodeBatch`, one row per token: the decode
+        step's fused functions and kernels instead of eager per-sequence segments. On the CPU there is nothing
+        to fuse and the segments measured ~5% faster (demo, concurrency 1)."""
         self.model, self.cache = model, cache
+        static = model.embed.is_cuda if shape_static is None else shape_static
+        self.build = DecodeBatch.build if static else FlatBatch.build
 
     def run(self, work: list[DraftWork]) -> list[Drafts]:
         if not work:
             return []
         device = work[0].hidden.device
-        # the shape-static decode path (fused functions and kernels on CUDA), one row per token
-        batch = DecodeBatch.build([(w.slot, w.start, w.next_tokens) for w in work], device)
+        batch = self.build([(w.slot, w.start, w.next_tokens) for w in work], device)
         live = [i for i, w in enumerate(work) if w.k >= 1]
         last_rows = torch.tensor(list(itertools.accumulate(len(w.next_tokens) for w in work)), device=device) - 1
         # logits only where a draft is wanted: with k = 0 (the policy's "drafting off") the block runs for its
@@ -155,7 +159,7 @@ class MTPDrafter:
         self._draw(list(zip(live, out.logits)), work, drafts)
         depth = 1
         while live := [i for i in live if work[i].k > depth]:
-            chain = DecodeBatch.build([(work[i].slot, state[i][0], [drafts[i].tokens[-1]]) for i in live], device)
+            chain = self.build([(work[i].slot, state[i][0], [drafts[i].tokens[-1]]) for i in live], device)
             o = self.model.mtp_forward(torch.stack([state[i][1] for i in live]), chain, self.cache)
             self._draw(list(zip(live, o.logits)), work, drafts)
             for j, i in enumerate(live):
