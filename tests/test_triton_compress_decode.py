@@ -554,3 +554,32 @@ def test_gpu_cuda_graph_replay_over_decode_steps(kind: str) -> None:
         torch.cuda.synchronize()
         assert vis.data_ptr() == out.data_ptr()
         _check_step(before, state, out)
+
+
+def test_a_kernel_that_fails_to_launch_is_reported_once_then_torch_serves(monkeypatch, caplog) -> None:
+    """The model's kernel dispatch (`kernel_or_fallback`, used by compress_decode and attend_decode): a build or
+    launch error on a CUDA device gives one warning naming the switch, and the torch path from then on; under
+    the interpreter (the tests) the error propagates."""
+    from moebox.ops.triton import runtime
+    monkeypatch.setattr(runtime, "_failed", {})
+    calls: list[str] = []
+
+    def kernel() -> int:
+        calls.append("kernel")
+        raise RuntimeError("unknown launch option enable_fp_fusion")
+
+    def torch_path() -> int:
+        calls.append("torch")
+        return 7
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError):
+        runtime.kernel_or_fallback("test", "MOEBOX_TEST_KERNEL", kernel, torch_path)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    calls.clear()
+    with caplog.at_level("WARNING", logger="moebox"):
+        results = [runtime.kernel_or_fallback("test", "MOEBOX_TEST_KERNEL", kernel, torch_path) for _ in range(3)]
+    assert results == [7] * 3
+    assert calls == ["kernel", "torch", "torch", "torch"]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "enable_fp_fusion" in warning and "MOEBOX_TEST_KERNEL=0" in warning

@@ -84,8 +84,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, tl,  # noqa: F401
-                                       triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting,  # noqa: F401
+                                       kernel_or_fallback, tl, triton, versions)
 
 __all__ = ["CompressConfig", "pick_config", "supported", "compress_step_triton", "compress_step_reference",
            "compress_decode", "random_inputs", "clone_inputs", "positional", "V4_SHAPES", "sass_report", "bench",
@@ -513,13 +513,13 @@ def compress_decode(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slo
                     overlap: bool, eps: float, finish: str | None, nope_dim: int) -> torch.Tensor:
     """The dispatch for the model: `compress_step_triton` where `supported`, else the torch `compress_step`
     (compiled on CUDA as today). Same arguments and return value as `compress_step`."""
-    if supported(kv, gate, pos, slot, ring_kv, ring_gate, entries, ape, norm, inv_freq, ratio, overlap, eps, finish,
-                 nope_dim):
-        return compress_step_triton(kv, gate, pos, slot, ring_kv, ring_gate, entries, ape, norm, inv_freq, ratio,
-                                    overlap, eps, finish, nope_dim)
     from moebox.model.decode_attention import compress_step
-    return compress_step(kv, gate, pos, slot, ring_kv, ring_gate, entries, ape, norm, inv_freq, ratio, overlap, eps,
-                         finish, nope_dim)
+    args = (kv, gate, pos, slot, ring_kv, ring_gate, entries, ape, norm, inv_freq, ratio, overlap, eps, finish,
+            nope_dim)
+    if supported(*args):
+        return kernel_or_fallback("compressor step", "MOEBOX_COMPRESS_KERNEL", lambda: compress_step_triton(*args),
+                                  lambda: compress_step(*args))
+    return compress_step(*args)
 
 
 # ----------------------------------------------------------------------------------------------- inputs

@@ -81,8 +81,8 @@ from typing import Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, num_sms,  # noqa: F401
-                                       tl, triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting,  # noqa: F401
+                                       kernel_or_fallback, num_sms, tl, triton, versions)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
            "attend_decode", "random_inputs", "sass_report", "bench", "sweep"]
@@ -397,10 +397,14 @@ def attend_reference(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: 
 def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: torch.Tensor, sink: torch.Tensor,
                   scale: float, entries=None, rows: torch.Tensor | None = None,
                   valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The dispatch the model will use: `attend_triton` where `supported`, else `attend_reference`."""
+    """The dispatch the model uses: `attend_triton` where `supported` (and where it builds), else
+    `attend_reference`."""
+    def torch_path() -> torch.Tensor:
+        return attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
     if supported(q, ring, slot, window_visible, sink, entries, rows, valid):
-        return attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
-    return attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
+        return kernel_or_fallback("decode attention", "MOEBOX_ATTENTION_KERNEL", lambda: attend_triton(
+            q, ring, slot, window_visible, sink, scale, entries, rows, valid), torch_path)
+    return torch_path()
 
 
 # ----------------------------------------------------------------------------------------------- inputs

@@ -10,12 +10,17 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
 
 import functools
+import logging
 import os
 import subprocess
 import tempfile
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
+log = logging.getLogger("moebox")
+_failed: dict[str, str] = {}          # kernel name -> why it was given up in this process
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,8 +64,28 @@ def cubin_dump(cubin: bytes) -> tuple[str, str]:
         f.write(cubin)
         f.flush()
         sass, usage = (subprocess.run([os.path.join(tools, "cuobjdump"), flag, f.name], capture_output=True,
-                                      text=True, check=True).stdout for flag in ("--dump-sass", "--dump-resource-usage"))
+                                      text=True, check=True).stdout
+                       for flag in ("--dump-sass", "--dump-resource-usage"))
     return sass, usage
 
 
-__all__ = ["HAVE_TRITON", "triton", "tl", "num_sms", "interpreting", "versions", "graph_us", "cubin_dump"]
+def kernel_or_fallback(name: str, switch: str, kernel: Callable[[], T], fallback: Callable[[], T]) -> T:
+    """`kernel()` for a model path that has a torch equivalent `fallback()`: a kernel that fails to build or
+    launch on a CUDA device (another Triton version, a GPU it was not built for) is reported once and the torch
+    path serves from then on, so the engine keeps running. Under the interpreter (the tests) and inside a CUDA
+    graph capture the error propagates. Launch errors come before the kernel runs: nothing is half written."""
+    if name in _failed:
+        return fallback()
+    try:
+        return kernel()
+    except Exception as e:  # noqa: BLE001 - any build/launch error; reported below
+        if interpreting() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            raise
+        _failed[name] = f"{type(e).__name__}: {e}"
+        log.warning("the %s kernel failed (%s); using the torch path from now on (%s=0 skips the kernel)",
+                    name, _failed[name][:500], switch)
+        return fallback()
+
+
+__all__ = ["HAVE_TRITON", "kernel_or_fallback", "triton", "tl", "num_sms", "interpreting", "versions", "graph_us",
+           "cubin_dump"]
