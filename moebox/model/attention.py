@@ -11,7 +11,6 @@ does not close at this token goes to the table's scratch row, and the indexer's 
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -26,7 +25,7 @@ from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, norm_rope, rope_inv_freq
-from moebox.ops.triton.runtime import interpreting
+from moebox.ops.triton.runtime import kernel_switched_on
 
 WeightSource = Callable[[str], Weight]
 
@@ -35,7 +34,7 @@ def attention_kernel_takes(q: torch.Tensor, ring: object, entries: object) -> bo
     """Whether a decode step's attention read runs as the fused Triton kernel (moebox/ops/triton/
     decode_attention.py): CUDA tensors in plain (not FP8-row) caches, unless MOEBOX_ATTENTION_KERNEL=0. The
     kernel's own `supported` check still applies; anything else takes the compiled torch `attend`."""
-    if not (q.is_cuda or interpreting()) or os.environ.get("MOEBOX_ATTENTION_KERNEL", "1") == "0":
+    if not kernel_switched_on(q, "MOEBOX_ATTENTION_KERNEL"):
         return False
     return isinstance(ring, torch.Tensor) and (entries is None or isinstance(entries, torch.Tensor))
 
@@ -275,7 +274,7 @@ class Attention:
     def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,
                   ring_gate, entries, finish: str | None) -> torch.Tensor:
         step = compress_step
-        if (proj[0].is_cuda or interpreting()) and os.environ.get("MOEBOX_COMPRESS_KERNEL", "1") != "0":
+        if kernel_switched_on(proj[0], "MOEBOX_COMPRESS_KERNEL"):
             from moebox.ops.triton.compress_decode import compress_decode as step   # one launch where it can
         return step(proj[0], proj[1], batch.positions, batch.slots, ring_kv, ring_gate, entries, c.ape,
                              c.norm, c.inv_freq, c.ratio, c.overlap, c.eps, finish, self.cfg.nope_head_dim)

@@ -84,8 +84,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting,  # noqa: F401
-                                       kernel_or_fallback, tl, triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cubin_dump, graph_us,  # noqa: F401
+                                       interpreting, kernel_or_fallback, next_pow2, plain_tensor, tl, triton)
 
 __all__ = ["CompressConfig", "pick_config", "supported", "compress_step_triton", "compress_step_reference",
            "compress_decode", "random_inputs", "clone_inputs", "positional", "V4_SHAPES", "sass_report", "bench",
@@ -116,27 +116,23 @@ class CompressConfig:
 DEFAULT_CONFIG = CompressConfig()
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def _batch_pad(b: int) -> int:
     """The batch rows a program scans for rows written into its slot: B rounded up to a power of two >= 16."""
-    return max(16, _pow2(b))
+    return max(16, next_pow2(b))
 
 
 def _d_pad(d: int, finish: str | None) -> int:
     """Channels a program holds: d rounded up to a power of two, at least one rounding block."""
-    return max(_pow2(d), {None: 16, "kv": FP8_BLOCK, "index": FP4_BLOCK}[finish], 16)
+    return max(next_pow2(d), {None: 16, "kv": FP8_BLOCK, "index": FP4_BLOCK}[finish], 16)
 
 
 def pick_config(d: int, ratio: int, finish: str | None = None, config: CompressConfig | None = None) -> CompressConfig:
     """`config` (default DEFAULT_CONFIG) with block_rows and num_warps resolved for d channels and this ratio."""
     cfg = config or DEFAULT_CONFIG
     dp = _d_pad(d, finish)
-    br = _pow2(cfg.block_rows or max(1, min(_pow2(ratio), 4096 // dp)))
+    br = next_pow2(cfg.block_rows or max(1, min(next_pow2(ratio), 4096 // dp)))
     nw = cfg.num_warps or max(4, min(16, br * dp // 256))
-    return CompressConfig(block_rows=br, num_warps=nw, vis_block=_pow2(max(16, cfg.vis_block)))
+    return CompressConfig(block_rows=br, num_warps=nw, vis_block=next_pow2(max(16, cfg.vis_block)))
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -376,16 +372,12 @@ if HAVE_TRITON:
 
 
 # ----------------------------------------------------------------------------------------------- wrappers
-def _plain(t: object, dims: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == dims
-
-
 def supported(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, ring_kv: object,
               ring_gate: object, entries: object, ape: torch.Tensor, norm: torch.Tensor, inv_freq: torch.Tensor,
               ratio: int, overlap: bool, eps: float = 1e-6, finish: str | None = None, nope_dim: int = 0) -> bool:
     """Whether `compress_step_triton` takes these arguments (the module docstring's Bounds); `compress_decode`
     calls the torch `compress_step` otherwise."""
-    if not HAVE_TRITON or not _plain(kv, 2) or finish not in _FINISH:
+    if not HAVE_TRITON or not plain_tensor(kv, 2) or finish not in _FINISH:
         return False
     dev = kv.device
     if dev.type == "cuda":
@@ -400,7 +392,7 @@ def supported(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot: tor
         return False
 
     def same(t: object, dims: int, dtypes: tuple) -> bool:
-        return _plain(t, dims) and t.dtype in dtypes and t.device == dev
+        return plain_tensor(t, dims) and t.dtype in dtypes and t.device == dev
 
     for t in (kv, gate):        # the projections' rows, any float dtype (widened to the rings' fp32)
         if not (same(t, 2, _FLOATS) and tuple(t.shape) == (b, c) and t.stride(1) == 1):
@@ -717,9 +709,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{kind:6s} {rep['config']} regs {rep['registers']:3d} spill {rep['spills']:5d} "
                   f"smem {rep['shared']:6d} {rep['sass']}", flush=True)
         return
-    print(versions(), flush=True)
-    if not (HAVE_TRITON and torch.cuda.is_available()):
-        raise SystemExit("the bench needs CUDA and triton")
+    bench_start()
     bench(batches=args.batch, kinds=args.kind, torch_ref=not args.no_torch, config=cfg)
 
 

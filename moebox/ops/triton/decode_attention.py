@@ -81,8 +81,9 @@ from typing import Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting,  # noqa: F401
-                                       kernel_or_fallback, num_sms, tl, triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, cubin_dump, graph_us,  # noqa: F401
+                                       interpreting, kernel_or_fallback, next_pow2, num_sms, plain_tensor,
+                                       rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
            "attend_decode", "random_inputs", "sass_report", "bench", "sweep"]
@@ -111,17 +112,9 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def _head_block(heads: int, nh: int) -> int:
     """Heads per program: a power of two >= 16 (the MMA's smallest M), no more than nh rounded up."""
-    return max(16, min(_pow2(heads or nh), _pow2(nh)))
+    return max(16, min(next_pow2(heads or nh), next_pow2(nh)))
 
 
 def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
@@ -131,11 +124,11 @@ def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int 
     hb = _head_block(cfg.heads, nh)
     tiles = max(1, tiles)
     if cfg.split:
-        per = _cdiv(tiles, min(cfg.split, tiles))
+        per = cdiv(tiles, min(cfg.split, tiles))
     else:
-        target = _cdiv(max(1, int(cfg.waves * sms)), max(1, batch) * _cdiv(nh, hb))
-        per = max(cfg.min_tiles, _cdiv(tiles, target), 1)
-    return replace(cfg, heads=hb, split=_cdiv(tiles, per))
+        target = cdiv(max(1, int(cfg.waves * sms)), max(1, batch) * cdiv(nh, hb))
+        per = max(cfg.min_tiles, cdiv(tiles, target), 1)
+    return replace(cfg, heads=hb, split=cdiv(tiles, per))
 
 
 def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
@@ -264,16 +257,12 @@ if HAVE_TRITON:
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
-def _is_plain(t: object, dims: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() == dims
-
-
 def supported(q: torch.Tensor, ring: object, slot: torch.Tensor, window_visible: torch.Tensor,
               sink: torch.Tensor, entries: object = None, rows: torch.Tensor | None = None,
               valid: torch.Tensor | None = None) -> bool:
     """Whether `attend_triton` takes these arguments (see the module docstring's Bounds); callers fall back to
     the torch path (`attend_reference`) otherwise."""
-    if not HAVE_TRITON or not _is_plain(q, 3) or q.dtype not in _DTYPES:
+    if not HAVE_TRITON or not plain_tensor(q, 3) or q.dtype not in _DTYPES:
         return False
     if q.device.type == "cuda":
         pass
@@ -285,28 +274,28 @@ def supported(q: torch.Tensor, ring: object, slot: torch.Tensor, window_visible:
     dev = q.device
 
     def table(t: object) -> bool:
-        return (_is_plain(t, 3) and t.dtype in _DTYPES and t.shape[2] == d and t.stride(2) == 1
+        return (plain_tensor(t, 3) and t.dtype in _DTYPES and t.shape[2] == d and t.stride(2) == 1
                 and t.device == dev)
 
     if not table(ring) or ring.shape[1] < 1:
         return False
-    if not (_is_plain(slot, 1) and slot.dtype in _INDEX_DTYPES and slot.shape[0] == b and slot.device == dev):
+    if not (plain_tensor(slot, 1) and slot.dtype in _INDEX_DTYPES and slot.shape[0] == b and slot.device == dev):
         return False
-    if not (_is_plain(window_visible, 2) and window_visible.dtype == torch.bool
+    if not (plain_tensor(window_visible, 2) and window_visible.dtype == torch.bool
             and tuple(window_visible.shape) == (b, ring.shape[1]) and window_visible.device == dev):
         return False
     if not isinstance(sink, torch.Tensor) or sink.numel() != nh or sink.dtype not in _DTYPES or sink.device != dev:
         return False
     if entries is None:
         return rows is None and valid is None
-    if not table(entries) or not (_is_plain(valid, 2) and valid.dtype == torch.bool and valid.device == dev):
+    if not table(entries) or not (plain_tensor(valid, 2) and valid.dtype == torch.bool and valid.device == dev):
         return False
     k = valid.shape[1]
     if valid.shape[0] != b:
         return False
     if rows is None:
         return k == entries.shape[1]
-    return (_is_plain(rows, 2) and rows.dtype in _INDEX_DTYPES and rows.shape[0] in (1, b) and rows.shape[1] == k
+    return (plain_tensor(rows, 2) and rows.dtype in _INDEX_DTYPES and rows.shape[0] in (1, b) and rows.shape[1] == k
             and rows.device == dev)
 
 
@@ -342,10 +331,10 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     has_ent = entries is not None
     ke = valid.shape[1] if has_ent else 0
     cfg0 = config or DEFAULT_CONFIG
-    nw, ne = _cdiv(r, cfg0.block_k), _cdiv(ke, cfg0.block_k)
+    nw, ne = cdiv(r, cfg0.block_k), cdiv(ke, cfg0.block_k)
     cfg = resolve_config(cfg0, b, nh, nw + ne, num_sms(q.device))
-    tps = _cdiv(nw + ne, cfg.split)          # tiles per split (resolve_config: none empty)
-    hb, d_pad = cfg.heads, max(16, _pow2(d))
+    tps = cdiv(nw + ne, cfg.split)          # tiles per split (resolve_config: none empty)
+    hb, d_pad = cfg.heads, max(16, next_pow2(d))
     wvis = _contig_last(window_visible).view(torch.uint8)
     sink = sink.reshape(nh)
     sink = _contig_last(sink)
@@ -364,7 +353,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         po = torch.empty((b, cfg.split, nh, d), dtype=torch.float32, device=q.device)
         pm = torch.empty((b, cfg.split, nh), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-    _attend_kernel[(b, cfg.split, _cdiv(nh, hb))](
+    _attend_kernel[(b, cfg.split, cdiv(nh, hb))](
         q, ring, slot, wvis, ent, rws, vmask, sink, out, po, pm, pl,
         nh, r, ke, nw, nw + ne, tps, cfg.split, float(scale),
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
@@ -372,11 +361,11 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
         SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not final:
-        chb = max(1, min(_pow2(cfg.combine_heads), _pow2(nh)))
-        cbd = min(_pow2(cfg.combine_block_d), d_pad)
-        _combine_kernel[(b, _cdiv(nh, chb), _cdiv(d, cbd))](
+        chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
+        cbd = min(next_pow2(cfg.combine_block_d), d_pad)
+        _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, out, nh, cfg.split, out.stride(0), out.stride(1),
-            D=d, HB=chb, BD=cbd, S_PAD=_pow2(cfg.split), num_warps=4)
+            D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), num_warps=4)
     return out
 
 
@@ -470,15 +459,15 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
     ring_rows, table_rows, k = V4_SHAPES[kind]
     nh, d = 64, 512
     ke = 0 if kind == "sliding" else (k or table_rows)
-    nw, ne = _cdiv(ring_rows, config.block_k), _cdiv(ke, config.block_k)
+    nw, ne = cdiv(ring_rows, config.block_k), cdiv(ke, config.block_k)
     cfg = resolve_config(config, batch, nh, nw + ne)
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     ptrs = dict(q_ptr=ty, ring_ptr=ty, slot_ptr="i64", wvis_ptr="u8", ent_ptr=ty, rows_ptr="i64", valid_ptr="u8",
                 sink_ptr="fp32", out_ptr=ty, po_ptr="fp32", pm_ptr="fp32", pl_ptr="fp32")
-    ints = dict(NH=nh, R=ring_rows, KE=ke, NW=nw, NT=nw + ne, TILES_PER_SPLIT=_cdiv(nw + ne, cfg.split),
+    ints = dict(NH=nh, R=ring_rows, KE=ke, NW=nw, NT=nw + ne, TILES_PER_SPLIT=cdiv(nw + ne, cfg.split),
                 NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
-    const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=_pow2(d), HAS_ENT=kind != "sliding",
+    const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
                  ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1)
     fn = _attend_kernel
     names = fn.arg_names
@@ -518,10 +507,6 @@ def key_bytes(inp: dict) -> int:
     return n * inp["q"].shape[2]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
-
-
 def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
           kinds: Sequence[str] = ("csa", "hca", "sliding"), configs: Sequence[tuple[str, AttendConfig]] = (
               ("default", DEFAULT_CONFIG),), torch_ref: bool = True, l2_miss_bytes: int = 192 << 20,
@@ -541,7 +526,7 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
         ring_rows, table_rows, k = V4_SHAPES[kind]
         for b in batches:
             kb = b * (ring_rows + (0 if kind == "sliding" else k or table_rows)) * 512 * 2
-            copies = max(1, min(max_copies, _cdiv(l2_miss_bytes, kb)))
+            copies = max(1, min(max_copies, cdiv(l2_miss_bytes, kb)))
             inp = random_inputs(b, ring_rows=ring_rows, table_rows=max(table_rows, 1), k=k, kind=kind,
                                 slots=b * copies, device=device, seed=b)
             for name in ("window_visible", "valid"):
@@ -566,7 +551,7 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
             for cname, cfg in configs:
                 outs = [torch.empty_like(inp["q"]) for _ in range(min(copies, 4))]
                 got = attend_triton(slot=slots[0], **args, config=cfg, out=outs[0])
-                err = _rel(got, ref)
+                err = rel_err(got, ref)
                 fns = [lambda s=s, o=outs[i % len(outs)], a=args, c=cfg: attend_triton(slot=s, **a, config=c, out=o)
                        for i, s in enumerate(slots)]
                 us = graph_us(fns)
@@ -632,9 +617,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{name:14s} regs {rep['registers']:3d} spill {rep['spills']:5d} smem {rep['shared']:6d} "
                   f"cp.async {rep['ptx_cp_async']:3d} {rep['sass']}", flush=True)
         return
-    print(versions(), flush=True)
-    if not (HAVE_TRITON and torch.cuda.is_available()):
-        raise SystemExit("the bench needs CUDA and triton")
+    bench_start()
     bench(batches=args.batch, kinds=args.kind, torch_ref=not args.no_torch)
     if args.sweep:
         sweep(batches=args.batch)

@@ -135,7 +135,8 @@ import torch.nn.functional as F
 from moebox.weights.formats import QuantTensor
 
 from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import HAVE_TRITON, interpreting, num_sms, tl, triton  # noqa: F401 - Triton is optional
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, interpreting, next_pow2, num_sms, tl,  # noqa: F401
+                                       triton)
 
 BLOCK = 128  # the FP8 scale block, both dimensions; also the dot kernel's K step
 
@@ -187,10 +188,6 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
 
-def _pow2_ceil(v: int) -> int:
-    return 1 << (max(1, v) - 1).bit_length()
-
-
 def pick_config(n: int, out_features: int, in_features: int, x_dtype: torch.dtype = torch.bfloat16,
                 sms: int = 132) -> Fp8Config:
     """The default tiling for a call (split_k resolved): for decode (N <= 16) the TUNED_DECODE entry of the
@@ -214,9 +211,9 @@ def _gemv_config(n: int, out_features: int, in_features: int, sms: int) -> Fp8Co
     rows per program (1..16) leaving ~3 programs per SM per token block, a K step of 64 bytes per thread
     (4 warps: BLOCK_O x BLOCK_K = 8 KB, at most the padded row), 3 stages when there are several steps."""
     block_o = min(16, _pow2_floor(out_features // (3 * sms)))
-    block_k = max(BLOCK, min(8192 // block_o, _pow2_ceil(in_features)))
+    block_k = max(BLOCK, min(8192 // block_o, next_pow2(in_features)))
     stages = 3 if in_features > block_k else 1
-    return Fp8Config(block_n=min(4, _pow2_ceil(n)), block_o=block_o, num_warps=4, num_stages=stages,
+    return Fp8Config(block_n=min(4, next_pow2(n)), block_o=block_o, num_warps=4, num_stages=stages,
                      kernel="gemv", block_k=block_k)
 
 
@@ -746,7 +743,7 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
     step, 1 and 4 stages and split-K 2 when there are several steps, half the tokens per program for N > 1
     and 8 for N > 4)."""
     g = _gemv_config(n, out_f, in_f, sms)
-    pad = max(BLOCK, _pow2_ceil(in_f))
+    pad = max(BLOCK, next_pow2(in_f))
 
     def gemv(**kw: int) -> Fp8Config:
         c = replace(g, **kw)
@@ -905,9 +902,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.rows % BLOCK or args.groups < 1 or min(args.tokens) < 1:
         raise SystemExit(f"--rows must be a multiple of {BLOCK}, --groups and --tokens positive")
-    if not (HAVE_TRITON and torch.cuda.is_available()):
-        raise SystemExit("the fp8_linear bench needs triton and a CUDA device")
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    bench_start()
     grouped = ("wo_a" if (args.groups, args.rows, args.in_features) == V4_FLASH_GROUPED[1:] else "grouped",
                args.groups, args.rows, args.in_features)
     if args.sweep:

@@ -58,7 +58,8 @@ import torch
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 
 from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import HAVE_TRITON, num_sms, tl, triton, versions  # noqa: F401 - optional
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, next_pow2, num_sms, rel_err,  # noqa: F401
+                                       tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -91,14 +92,6 @@ class PostConfig:
 
 MAX_SPLIT = 256  # kernel B loads all partials of a token as one [next_pow2(split), ...] tile
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
     stream (1024 bf16 or 512 fp32 columns with 4 warps), the width at which Triton's coalesced [hc, BLOCK_H]
@@ -106,7 +99,7 @@ def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> i
     tiles spread the streams over warps). Capped at H rounded up to a power of 2."""
     if not block_h:
         block_h = 16 // dtype.itemsize * 32 * num_warps
-    return min(block_h, _pow2(hidden))
+    return min(block_h, next_pow2(hidden))
 
 
 def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
@@ -122,13 +115,13 @@ def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
 def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
     """cfg with split 0 replaced by the automatic choice, and clamped to 1..min(K steps, MAX_SPLIT) with every
     split the same number of K steps (the last may be shorter)."""
-    kb = _cdiv(hc * hidden, cfg.block_k)
+    kb = cdiv(hc * hidden, cfg.block_k)
     split = cfg.split
     if not split:
-        tiles = _cdiv(n, cfg.block_n)
-        split = min(kb, _cdiv(2 * sms, tiles)) if n <= 16 else max(1, min(_cdiv(sms, tiles), kb // 8))
+        tiles = cdiv(n, cfg.block_n)
+        split = min(kb, cdiv(2 * sms, tiles)) if n <= 16 else max(1, min(cdiv(sms, tiles), kb // 8))
     split = max(1, min(split, kb, MAX_SPLIT))
-    return replace(cfg, split=_cdiv(kb, _cdiv(kb, split)))
+    return replace(cfg, split=cdiv(kb, cdiv(kb, split)))
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -274,11 +267,11 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tup
     k = hc * hidden
     if tuple(fn.shape) != (m, k):
         raise ValueError(f"fn must be [{m}, {k}], got {tuple(fn.shape)}")
-    m_pad = max(16, _pow2(m + 1))
-    per = _cdiv(_cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
+    m_pad = max(16, next_pow2(m + 1))
+    per = cdiv(cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
     ws = torch.empty((n, cfg.split, m_pad), dtype=torch.float32, device=X.device)
     fn = _rows(fn)
-    _mix_logits_kernel[(_cdiv(n, cfg.block_n), cfg.split)](
+    _mix_logits_kernel[(cdiv(n, cfg.block_n), cfg.split)](
         X, fn, ws, n, k, m, per, cfg.split, X.stride(0), fn.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return ws, m_pad
@@ -291,11 +284,11 @@ def _mix(X: torch.Tensor, ws: torch.Tensor, m_pad: int, base: torch.Tensor, scal
     n, hc, hidden = X.shape
     head = post is None
     block_h = _block_h(cfg.block_h, cfg.mix_warps, X.dtype, hidden)
-    h_blocks = _cdiv(hidden, block_h)
+    h_blocks = cdiv(hidden, block_h)
     _mix_kernel[(n, h_blocks + (0 if head else 1))](
         X, ws, _rows(base), _rows(scale), x, x if head else post, x if head else comb,
         hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), x.stride(0),
-        HC=hc, HC_PAD=_pow2(hc), M_PAD=m_pad, S_PAD=_pow2(cfg.split), BLOCK_H=block_h, HEAD=head,
+        HC=hc, HC_PAD=next_pow2(hc), M_PAD=m_pad, S_PAD=next_pow2(cfg.split), BLOCK_H=block_h, HEAD=head,
         num_warps=cfg.mix_warps)
 
 
@@ -365,10 +358,10 @@ def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb:
     cfg = config or PostConfig()
     block_h = _block_h(cfg.block_h, cfg.num_warps, X.dtype, hidden)
     out = _rows(out)
-    _post_kernel[(n, _cdiv(hidden, block_h))](
+    _post_kernel[(n, cdiv(hidden, block_h))](
         out, X, post, comb, y, hidden, out.stride(0), X.stride(0), y.stride(0),
         post.stride(0), post.stride(1), comb.stride(0), comb.stride(1), comb.stride(2),
-        HC=hc, HC_PAD=_pow2(hc), BLOCK_H=block_h, num_warps=cfg.num_warps)
+        HC=hc, HC_PAD=next_pow2(hc), BLOCK_H=block_h, num_warps=cfg.num_warps)
     return y
 
 
@@ -394,10 +387,6 @@ def _graph_us(call: Callable[[int], object], copies: int) -> float:
     return ms * 1e3 / copies
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
-
-
 def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dtype: torch.dtype,
              config: HcConfig | None, ops: Sequence[str], torch_ref: bool, l2_miss_bytes: int) -> list[dict]:
     """The bench rows of one N (its inputs are freed on return)."""
@@ -406,7 +395,7 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
     m, k = (2 + hc) * hc, hc * hidden
     nbytes = {"hc_pre": m * k * 4 + n * k * esz + n * hidden * esz + n * (hc + hc * hc) * 4,
               "hc_post": 2 * n * k * esz + n * hidden * esz + n * (hc + hc * hc) * 4}
-    copies = max(1, min(64, _cdiv(l2_miss_bytes, nbytes["hc_pre"])))
+    copies = max(1, min(64, cdiv(l2_miss_bytes, nbytes["hc_pre"])))
     sites = [random_site(n, hc, hidden, dtype, device, seed=i) for i in range(copies)]
     outs = [torch.randn((n, hidden), device=device).to(dtype) for _ in range(copies)]
     mixes = [hc_pre_reference(*site, **kw) for site in sites]
@@ -418,7 +407,7 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
     for op in ops:
         fused, ref = calls[op]
         got, want = fused(0), ref(0)
-        err = max(_rel(a, b) for a, b in zip(got, want)) if op == "hc_pre" else _rel(got, want)
+        err = max(rel_err(a, b) for a, b in zip(got, want)) if op == "hc_pre" else rel_err(got, want)
         us = _graph_us(fused, copies)
         us_ref = _graph_us(ref, copies) if torch_ref else float("nan")
         rows.append(dict(op=op, N=n, bytes=nbytes[op], us=us, GB_s=nbytes[op] / us / 1e3, torch_us=us_ref,
@@ -475,7 +464,7 @@ def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 16)) 
 
 if __name__ == "__main__":  # python -m moebox.ops.triton.mhc [--sweep]
     import sys
-    print(versions())
+    bench_start()
     bench()
     if "--sweep" in sys.argv:
         sweep()

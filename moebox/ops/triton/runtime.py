@@ -41,10 +41,42 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= v (1 for v <= 1)."""
+    return 1 << max(0, v - 1).bit_length()
+
+
+def plain_tensor(t: object, dims: int) -> bool:
+    """A torch tensor of `dims` dimensions (not, e.g., one of the FP8 cache's row objects)."""
+    return isinstance(t, torch.Tensor) and t.dim() == dims
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in fp32."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def kernel_switched_on(t: torch.Tensor, switch: str) -> bool:
+    """Whether a model path may take its kernel: CUDA tensors (or the interpreter's CPU ones), unless the
+    environment sets `switch` to 0."""
+    return (t.is_cuda or interpreting()) and os.environ.get(switch, "1") != "0"
+
+
 def versions() -> str:
     """The line a kernel bench prints first: torch, triton and the device it runs on."""
     return (f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA'}")
+
+
+def bench_start() -> None:
+    """A kernel bench's first step: print `versions()`; exit with a message without triton or a CUDA device."""
+    print(versions(), flush=True)
+    if not (HAVE_TRITON and torch.cuda.is_available()):
+        raise SystemExit("the bench needs triton and a CUDA device")
 
 
 def graph_us(calls: Sequence[Callable[[], object]], rep: int = 100) -> float:
@@ -87,5 +119,5 @@ def kernel_or_fallback(name: str, switch: str, kernel: Callable[[], T], fallback
         return fallback()
 
 
-__all__ = ["HAVE_TRITON", "kernel_or_fallback", "triton", "tl", "num_sms", "interpreting", "versions", "graph_us",
-           "cubin_dump"]
+__all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
+           "versions", "bench_start", "graph_us", "cubin_dump", "cdiv", "next_pow2", "plain_tensor", "rel_err"]
