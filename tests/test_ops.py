@@ -16,7 +16,7 @@ from moebox.ops.mhc import hc_post, hc_pre
 from moebox.ops.moe import route
 from moebox.ops.qat import fp4_round, fp8_round, hadamard
 from moebox.ops.rope import apply_rope, rope_inv_freq
-from moebox.weights.formats import fp4_codes_from_values, quant_fp4
+from moebox.weights.formats import fp4_codes_from_values, fp4_values_from_codes, quant_fp4
 
 warnings.filterwarnings("ignore", message=".*[Yy]a[Rr][Nn].*")
 
@@ -145,6 +145,14 @@ def test_fp4_codes_match_per_element_reference():
                                  5.999, 6.001, 4.999999, 5.000001, 0.2499999, 0.2500001])])
     got = fp4_codes_from_values(x).tolist()
     assert got == [ref_code(v) for v in x.tolist()]
+
+
+def test_fp4_values_of_every_code():
+    """Code c: sign bit 8, magnitude FP4_GRID[c & 7]; -0.0 for code 8."""
+    got = fp4_values_from_codes(torch.arange(16, dtype=torch.uint8))
+    assert got.dtype == torch.float32
+    assert [(v, math.copysign(1.0, v)) for v in got.tolist()] == \
+        [(g, 1.0) for g in FP4_GRID] + [(-g, -1.0) for g in FP4_GRID]
 
 
 def ref_quant_fp4(w: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -556,6 +556,28 @@ def test_gpu_cuda_graph_replay_over_decode_steps(kind: str) -> None:
         _check_step(before, state, out)
 
 
+@pytest.mark.parametrize("kind", ["csa", "index", "hca"])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_the_compiled_torch_step_replays_from_a_cuda_graph(kind: str) -> None:
+    """The torch path (what serves with MOEBOX_COMPRESS_KERNEL=0 or after a kernel fallback), compiled and
+    captured with its QAT finish, replays the eager step. A host constant inside the compiled code (the FP4 value
+    table of the index finish, once) makes the capture fail."""
+    from moebox.ops.cuda_graphs import capture
+    inp = _v4(kind, 4, seed=60, close=True)
+    state, ref = clone_inputs(inp), clone_inputs(inp)
+    graph, vis = capture(lambda: compress_step(*positional(state)))
+    for name in ("ring_kv", "ring_gate", "entries"):        # undo the warm-up and capture runs, then replay once
+        state[name].copy_(inp[name])
+    graph.replay()
+    vis_ref = compress_step_reference(**ref)
+    torch.cuda.synchronize()
+    assert torch.equal(vis, vis_ref)
+    assert torch.equal(state["ring_kv"], ref["ring_kv"]) and torch.equal(state["ring_gate"], ref["ring_gate"])
+    got, want = state["entries"].double(), ref["entries"].double()
+    assert torch.isfinite(got).all() and float((got - want).norm() / want.norm()) < 4e-3
+
+
 def test_a_kernel_that_fails_to_launch_is_reported_once_then_torch_serves(monkeypatch, caplog) -> None:
     """The model's kernel dispatch (`kernel_or_fallback`, used by compress_decode and attend_decode): a build or
     launch error on a CUDA device gives one warning naming the switch, and the torch path from then on; under

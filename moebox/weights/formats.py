@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import functools
-
 import torch
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
-FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP4_BLOCK = 32
 
 
@@ -84,14 +81,13 @@ def fp4_codes_from_values(x: torch.Tensor) -> torch.Tensor:
     return code | (sign.to(torch.uint8) << 3)
 
 
-@functools.lru_cache(maxsize=None)
-def _fp4_grid(device: torch.device) -> torch.Tensor:
-    """FP4_GRID on `device`, copied once: a CUDA graph capture may not copy from the host."""
-    return FP4_GRID.to(device)
-
-
 def fp4_values_from_codes(codes: torch.Tensor) -> torch.Tensor:
-    mag = _fp4_grid(codes.device)[(codes & 7).long()]
+    """E2M1 values of 4-bit codes (float32), computed from the bits rather than looked up in a table: a table would
+    be a host constant inside compiled code, which a CUDA graph capture may not copy."""
+    c = (codes & 7).to(torch.float32)
+    e = torch.floor(c * 0.5)
+    m = c - 2 * e
+    mag = torch.where(e == 0, 0.5 * m, (1 + 0.5 * m) * torch.exp2(e - 1))
     return torch.where((codes & 8) != 0, -mag, mag)
 
 
