@@ -4,7 +4,8 @@
 #   bash bench/gpu_session.sh tests     # GPU tests of every kernel and of the model (no stop at a failure)
 #   bash bench/gpu_session.sh decode    # kernel benches, then the full-size decode bench (4K, 64K, verify cost)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off
-#   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES)
+#   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES); run it
+#                                       # alone: next to the tests, its cold compile took 221 s of a 450 s budget
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, MTP vs plain on it, prefill bench
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
@@ -53,6 +54,7 @@ train)
     fi
     step train python3 -m moebox.cli train --run-dir "$run_dir" --device cuda --minutes "${MINUTES:-7}" \
         --batch-tokens 65536 --n-train 100000
+    step induction-probe python3 -m bench.induction_probe "$run_dir/model" --device cuda
     tar cf - -C "$run_dir" model settings.json | split -b 15M - "$out/model.tar.part-"
     ;;
 spec)                         # after the trained model is shipped in moebox/demo_model

@@ -3,6 +3,8 @@ row and counts the bytes a step reads from the model's own weights and routing."
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 
@@ -70,3 +72,15 @@ def test_bench_spec_cli_compares_mtp_with_plain_on_the_demo():
         ratio = float(mtp) / float(plain)                   # of the printed (1-decimal) rates: a few % off
         assert abs(float(speedup.rstrip("x")) - ratio) <= 0.01 + 0.06 * ratio
         assert 0 <= float(acceptance) <= 1 and 1 <= float(per_step) <= 3
+
+
+def test_induction_probe_scores_both_runs_of_each_length(tiny_ckpt):
+    """The probe's table on the tiny random model: one row per length, finite losses near the uniform
+    log(vocab) for a model that has learnt nothing (random weights neither predict a run nor copy it)."""
+    out = subprocess.run([sys.executable, "-m", "bench.induction_probe", str(tiny_ckpt), "--lengths", "4", "9",
+                          "--trials", "2"], capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [r for r in _table_rows(out) if r[0].isdigit()]
+    assert [r[0] for r in rows] == ["4", "9"]
+    uniform = math.log(parse_config(json.loads((tiny_ckpt / "config.json").read_text())).vocab_size)
+    for _, first, repeat in rows:
+        assert 0.5 * uniform < float(first) < 2 * uniform and 0.5 * uniform < float(repeat) < 2 * uniform
