@@ -4,8 +4,9 @@
 #   bash bench/gpu_session.sh tests     # GPU tests of every kernel and of the model (no stop at a failure)
 #   bash bench/gpu_session.sh decode    # kernel benches, then the full-size decode bench (4K, 64K, verify cost)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off
-#   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES); run it
-#                                       # alone: next to the tests, its cold compile took 221 s of a 450 s budget
+#   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES, and
+#                                       # TRAIN_ARGS: more `moebox train` flags, JSON without spaces); run it
+#                                       # alone: next to the tests, its cold compile took 221 s of 450
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, MTP vs plain on it, prefill bench
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
@@ -48,12 +49,13 @@ ab)
 train)
     run_dir=${RUN_DIR:-runs/demo2}
     # the corpus is written on the CPU box and carried: it reads the local Python's stdlib sources, and the
-    # GPU image's Python differs (CORPUS: a tar.xz of corpus/, tokenizer.json and config.json)
+    # GPU image's Python differs (CORPUS: a tar.xz of corpus/ and tokenizer.json; a config.json in it is left)
     if [ -n "${CORPUS:-}" ] && [ ! -d "$run_dir/corpus" ]; then
-        mkdir -p "$run_dir" && tar xJf "$CORPUS" -C "$run_dir"
+        mkdir -p "$run_dir" && tar xJf "$CORPUS" -C "$run_dir" corpus tokenizer.json   # config: from the flags
     fi
+    # shellcheck disable=SC2086  # TRAIN_ARGS holds several flags
     step train python3 -m moebox.cli train --run-dir "$run_dir" --device cuda --minutes "${MINUTES:-7}" \
-        --batch-tokens 65536 --n-train 100000
+        --batch-tokens 65536 --n-train 100000 ${TRAIN_ARGS:-}
     step induction-probe python3 -m bench.induction_probe "$run_dir/model" --device cuda
     tar cf - -C "$run_dir" model settings.json | split -b 15M - "$out/model.tar.part-"
     ;;

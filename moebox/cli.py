@@ -209,6 +209,12 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, default=value, choices=PRESETS, help="model shapes (demo: the shipped model)")
         elif field == "precision":
             p.add_argument(flag, default=value, choices=("bf16", "fp32"), help="on CUDA: bf16 autocast or fp32")
+        elif field == "config_overrides":
+            p.add_argument(flag, default=value, help="JSON object of config.json keys over the preset's, e.g. "
+                                                     "'{\"head_dim\": 256}'")
+        elif field == "gain_decay":
+            p.add_argument(flag, type=float, default=value, help=f"weight decay of the 1-D tensors (norm gains, "
+                                                                 f"attention sinks, mHC scales); default {value}")
         else:
             p.add_argument(flag, type=type(value), default=value, help=f"default {value}")
 

@@ -93,3 +93,48 @@ def test_a_time_budget_fixes_the_step_count_and_a_rerun_keeps_it(tmp_path):
     assert torch.load(tmp_path / "state.pt")["step"] == steps and (out / "config.json").exists()
     again = train(tmp_path, replace(s, steps=12345), progress=False, budget_s=1000.0)   # the saved count wins
     assert again == out and torch.load(tmp_path / "state.pt")["step"] == steps
+
+
+def test_config_overrides_shape_the_exported_model_and_bad_ones_fail_before_any_work(tmp_path):
+    import json
+    from dataclasses import replace
+
+    import pytest
+
+    from moebox.errors import MoeboxError
+    for bad, says in [("{head_dim: 32}", "not JSON"), ('["head_dim"]', "JSON object"),
+                      ('{"head_dims": 32}', "not keys of the 'tiny' preset"), ('{"head_dim": -1}', "head_dim")]:
+        run = tmp_path / "bad"
+        with pytest.raises(MoeboxError, match=says):
+            train(run, replace(SETTINGS, steps=1, config_overrides=bad), progress=False)
+        assert not run.exists()                                     # nothing written, nothing to clean up
+
+    s = replace(SETTINGS, steps=1, config_overrides='{"head_dim": 32, "sliding_window": 16}')
+    out = train(tmp_path / "run", s, progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["head_dim"], cfg["sliding_window"]) == (32, 16)
+    from moebox import LLM, SamplingParams
+    gen = LLM(out, progress=False).generate([[0, 5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(gen[0].outputs[0].token_ids) == 3
+
+    # a run dir that already holds another config.json (a carried corpus, say) is refused, naming the file
+    other = tmp_path / "carried"
+    other.mkdir()
+    (other / "config.json").write_text((tmp_path / "run" / "config.json").read_text())
+    with pytest.raises(MoeboxError, match=r"config\.json has other values of \['head_dim'\]"):
+        train(other, replace(s, config_overrides='{"head_dim": 16}'), progress=False)
+
+
+def test_gain_decay_is_the_weight_decay_of_the_1d_tensors_alone(tmp_path):
+    """After one step from the same start, runs that differ only in `gain_decay` hold the same matrices and
+    different gains (AdamW's decay acts on each tensor by itself)."""
+    from dataclasses import replace
+    a = train(tmp_path / "a", replace(SETTINGS, steps=1), progress=False).parent
+    b = train(tmp_path / "b", replace(SETTINGS, steps=1, gain_decay=0.0), progress=False).parent
+    pa, pb = _params(a), _params(b)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa if pa[k].dim() > 1)
+    # the indexer gets no gradient (its top-k is a selection), and AdamW leaves a tensor without one alone
+    gains = [k for k in pa if pa[k].dim() == 1 and ".indexer." not in k]
+    assert any(k.endswith("kv_norm.weight") for k in gains) and any(k.endswith("attn_sink") for k in gains)
+    assert all(not torch.equal(pa[k], pb[k]) for k in gains)
+    assert [g["weight_decay"] for g in torch.load(b / "state.pt")["optimizer"]["param_groups"]] == [0.1, 0.0]

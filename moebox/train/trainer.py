@@ -4,19 +4,21 @@ One run directory holds everything a run makes, each step skipped when its outpu
 continues where it stopped and a finished one is reproducible from the repo alone:
   corpus/          `moebox.train.data.write_corpus` (train / heldout / eval JSONL)
   tokenizer.json   BPE trained on the train split (`moebox.train.tokenizer`), the preset's vocab size
-  config.json      the preset's official-dialect config
+  config.json      the preset's official-dialect config, with `config_overrides` (a JSON object) applied
   state.pt         parameters, AdamW state, step and data cursor, written atomically every `save_every` steps
   model/           the export (`moebox.train.export`) after the last step: what `moebox serve` loads
 Training runs the serving model code (`moebox.train.model`): documents are concatenated (each starts with BOS)
 and cut into rows of `seq_len` tokens, `batch_tokens // seq_len` rows a step, each row one segment from
 position 0. Equal rows from position 0 take the model's batched cache-free attention (`Attention._fresh`), so a
 step costs the same number of kernel launches for 2 rows or 32: launches, not FLOPs, bound a step of a model
-this small on a GPU. Each step minimises the next-token loss
-plus `mtp_weight` x the MTP next-next-token loss. AdamW with linear warm-up and cosine decay to 10%, gradient
-clipping at 1.0. On CUDA `precision` fp32 (the default) runs TF32 matmuls: at the demo's size a step
-is bound by kernel launches, not FLOPs, and the bf16-autocast step did not finish compiling within a 4-minute
-probe on the H200. Documents come in a per-epoch permutation drawn from the seed; the cursor
-in state.pt makes a resumed run see the same batches as an uninterrupted one (bit-identical on the CPU).
+this small on a GPU. Each step minimises the next-token loss plus `mtp_weight` x the MTP next-next-token loss.
+AdamW with linear warm-up and cosine decay to 10%, gradient clipping at 1.0. `gain_decay` is the weight decay of
+the 1-D tensors (norm gains, attention sinks, mHC scales). Those gains cap how sharp attention can get: V4
+normalises each query head with no gain, so a key's `kv_norm` gain times sqrt(head_dim) bounds an attention logit.
+On CUDA `precision` fp32 (the default) runs TF32 matmuls: at the demo's size a step is bound by kernel launches,
+not FLOPs, and the bf16-autocast step did not finish compiling within a 4-minute probe on the H200. Documents
+come in a per-epoch permutation drawn from the seed; the cursor in state.pt makes a resumed run see the same
+batches as an uninterrupted one (bit-identical on the CPU).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class TrainSettings:
     lr: float = 3e-3
     warmup: int = 100
     weight_decay: float = 0.1
+    gain_decay: float = 0.1          # weight decay of 1-D tensors; 0 exempts them
     mtp_weight: float = 0.3
     seed: int = 0
     precision: str = "fp32"          # CUDA: fp32 with TF32 matmuls, or bf16 autocast; the CPU always runs fp32
@@ -62,6 +65,26 @@ class TrainSettings:
     n_train: int = 20000             # corpus documents
     n_heldout: int = 2000
     n_eval_per_kind: int = 100
+    config_overrides: str = ""       # JSON object of config.json keys over the preset's, e.g. '{"head_dim": 256}'
+
+
+def model_config(s: TrainSettings) -> dict:
+    """The preset's config with `config_overrides` applied, checked by the config parser (before any work)."""
+    raw = preset_config(s.preset)
+    if s.config_overrides:
+        try:
+            overrides = json.loads(s.config_overrides)
+        except json.JSONDecodeError as e:
+            raise MoeboxError(f"--config-overrides is not JSON ({e}); give an object such as '{{\"head_dim\": 256}}'")
+        if not isinstance(overrides, dict):
+            raise MoeboxError(f"--config-overrides must be a JSON object of config.json keys, not {overrides!r}")
+        unknown = sorted(set(overrides) - set(raw))
+        if unknown:
+            raise MoeboxError(f"--config-overrides: {unknown} are not keys of the {s.preset!r} preset's config "
+                              f"(keys: {sorted(raw)})")
+        raw.update(overrides)
+    parse_config(raw, source="--preset with --config-overrides")
+    return raw
 
 
 def _prepare(run: Path, s: TrainSettings, progress: bool) -> tuple[dict, Tokenizer, list[list[int]]]:
@@ -72,7 +95,7 @@ def _prepare(run: Path, s: TrainSettings, progress: bool) -> tuple[dict, Tokeniz
         write_corpus(corpus, seed=s.seed, n_train=s.n_train, n_heldout=s.n_heldout,
                      n_eval_per_kind=s.n_eval_per_kind)
     texts = [json.loads(line)["text"] for line in (corpus / "train.jsonl").read_text().splitlines()]
-    raw_cfg = preset_config(s.preset)
+    raw_cfg = model_config(s)
     tok_path = run / "tokenizer.json"
     if tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
@@ -84,7 +107,11 @@ def _prepare(run: Path, s: TrainSettings, progress: bool) -> tuple[dict, Tokeniz
     cfg_path = run / "config.json"
     if not cfg_path.exists():
         cfg_path.write_text(json.dumps(raw_cfg, indent=2) + "\n")
-    raw_cfg = json.loads(cfg_path.read_text())
+    wanted, raw_cfg = raw_cfg, json.loads(cfg_path.read_text())
+    differ = sorted(k for k in json.loads(s.config_overrides or "{}") if raw_cfg.get(k) != wanted[k])
+    if differ:
+        raise MoeboxError(f"{cfg_path} has other values of {differ} than --config-overrides; remove it (the "
+                          f"corpus and tokenizer can stay) or use a new --run-dir")
     docs = [e.ids for e in tqdm(tok.encode_batch(texts, add_special_tokens=False), desc="tokenizing",
                                 unit="doc", disable=not progress, leave=False) if e.ids]
     return raw_cfg, tok, docs
@@ -144,10 +171,13 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
     whole) and written to settings.json: `--steps` with that number reproduces the run, and a resumed run
     keeps it."""
     started = time.perf_counter()
+    model_config(s)                          # a bad --config-overrides fails before anything is written
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     settings_path = run / "settings.json"
     saved = json.loads(settings_path.read_text()) if settings_path.exists() else None
+    if saved is not None:                    # a run from before a setting existed had its default
+        saved = {**asdict(TrainSettings()), **saved}
     if budget_s is not None:
         if s.warmup < 10:
             raise MoeboxError(f"--minutes needs --warmup >= 10 (got {s.warmup}): the step count is fixed after "
@@ -164,7 +194,10 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
     cfg = parse_config(raw_cfg, source=str(run / "config.json"))
     params = init_params(cfg, seed=s.seed, device=device)
     learned = {n: p for n, p in params.items() if isinstance(p, torch.nn.Parameter)}
-    opt = torch.optim.AdamW(list(learned.values()), lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
+    opt = torch.optim.AdamW([
+        {"params": [p for p in learned.values() if p.dim() > 1], "weight_decay": s.weight_decay},
+        {"params": [p for p in learned.values() if p.dim() <= 1], "weight_decay": s.gain_decay},
+    ], lr=s.lr, betas=(0.9, 0.95))
     if s.seq_len < 3 or s.batch_tokens < s.seq_len:
         raise MoeboxError(f"--seq-len {s.seq_len} must be >= 3 and at most --batch-tokens {s.batch_tokens}")
     rows = s.batch_tokens // s.seq_len
@@ -175,6 +208,9 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
         with torch.no_grad():
             for n, p in learned.items():
                 p.copy_(state["params"][n])
+        if len(state["optimizer"]["param_groups"]) != len(opt.param_groups):
+            raise MoeboxError(f"{state_path} was written by an older moebox (one AdamW parameter group, before "
+                              f"--gain-decay); finish it with that version or start a new --run-dir")
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         batches = _Batches(docs, s.seq_len, rows, s.seed, state["epoch"], state["pos"], state["offset"])
