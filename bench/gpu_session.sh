@@ -2,7 +2,8 @@
 # The GPU checks of issues D, E and G, in phases that each fit one device call (<= 10 min on an H200); the
 # numbers in docs/benchmarks.md come from these exact commands. Run from the repo root:
 #   bash bench/gpu_session.sh tests     # GPU tests of every kernel and of the model (no stop at a failure)
-#   bash bench/gpu_session.sh decode    # kernel benches, then the full-size decode bench (4K, 64K, verify cost)
+#   bash bench/gpu_session.sh decode    # kernel benches, then the full-size decode bench (4K, 64K, verify cost,
+#                                       # the costliest kernels of a batch-1 step)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off
 #   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES, and
 #                                       # TRAIN_ARGS: more `moebox train` flags, JSON without spaces); run it
@@ -38,7 +39,7 @@ decode)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
     step compress-kernel python3 -m moebox.ops.triton.compress_decode
     step fp8-grouped python3 -m moebox.ops.triton.fp8_linear --grouped
-    step decode python3 -m moebox.bench.decode decode --context 4096 65536 --verify 2
+    step decode python3 -m moebox.bench.decode decode --context 4096 65536 --verify 2 --kernels 40
     ;;
 ab)
     for switch in MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0; do

@@ -30,8 +30,10 @@ def _table_rows(text: str) -> list[list[str]]:
 
 
 def test_bench_decode_cli_reports_each_row():
-    out = _run("decode", "--batch", "1", "3", "--context", "40", "90", "--steps", "2", "--verify", "2")
-    decode, _, verify = out.partition("speculative verify steps")
+    out = _run("decode", "--batch", "1", "3", "--context", "40", "90", "--steps", "2", "--verify", "2",
+               "--kernels", "4")
+    decode, _, rest = out.partition("speculative verify steps")
+    verify, _, kernels = rest.partition("CPU ops of a decode step, batch 1, context 40")
     rows = _table_rows(decode)
     assert [(r[0], r[1]) for r in rows] == [("40", "1"), ("40", "3"), ("90", "1"), ("90", "3")]
     for r in rows:
@@ -40,6 +42,11 @@ def test_bench_decode_cli_reports_each_row():
     assert [(r[0], r[1]) for r in vrows] == [("1", "2"), ("3", "2")]
     for r in vrows:
         assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[4]) > 0
+    krows = [r for r in _table_rows(kernels) if r[0] != "op"]       # the costliest 4, costliest first
+    assert len(krows) == 4 and all(r[0].startswith("aten::") and float(r[1]) > 0 for r in krows)
+    us = [float(r[2]) for r in krows]
+    shares = [float(r[3].rstrip("%")) for r in krows]
+    assert us == sorted(us, reverse=True) and shares == sorted(shares, reverse=True) and sum(shares) <= 100.05
 
 
 def test_bench_prefill_cli_reports_each_prompt():

@@ -260,6 +260,39 @@ def breakdown(model: DeepseekV4, batch: DecodeBatch, cache, steps: int = 10) -> 
             for name, items in recorders.items()}
 
 
+def kernel_profile(model: DeepseekV4, batch_size: int, context: int, steps: int, use_graphs: bool,
+                   top: int) -> tuple[list[list[str]], float]:
+    """The `top` kernels of one decode step by device time (CPU ops on the CPU), from torch.profiler over
+    `steps` steps (CUDA-graph replays when `use_graphs`): rows of name, launches per step, us per step, share of
+    the profiled time; and the profiled time per step in seconds. Where a step's time goes, kernel by kernel:
+    the breakdown above says which component, this says which launches."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg, device = model.cfg, model.embed.device
+    cuda = device.type == "cuda"
+    cache = model.new_cache(batch_size + 1, context + 1, device)
+    batch = _step_batch(cfg, batch_size, context, device)
+    if use_graphs:
+        graphs = DecodeGraphs(model, cache, batch_size, [batch_size])
+        ids, pos, slots = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
+        step: Callable[[], object] = lambda: graphs.run(ids, pos, slots)
+    else:
+        step = lambda: model.forward(batch, cache)
+    _timed(step, device, 2)                                   # warm-up (compilation, capture) outside the profile
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0 and
+              (not cuda or e.device_type == torch.autograd.DeviceType.CUDA)]
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) / steps      # us
+    rows = [[e.key[:80], f"{e.count / steps:g}", f"{getattr(e, attr) / steps:.1f}",
+             f"{getattr(e, attr) / steps / total:.1%}"] for e in events[:top]]
+    return rows, total * 1e-6
+
+
 # ----------------------------------------------------------------------------------------- prefill
 @dataclass
 class PrefillRow:
@@ -328,6 +361,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per row")
     p.add_argument("--enforce-eager", action="store_true", help="time eager steps instead of CUDA graphs")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also profile the decode step at the first batch size and context: its N costliest "
+                        "kernels (CPU ops on the CPU)")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="also time speculative verify steps (K drafts + 1 token per sequence) at the first context")
     spec.configure(p.add_argument_group("spec"))
@@ -375,6 +411,12 @@ def _report_decode(args: argparse.Namespace, model: DeepseekV4, dense: int, cfg:
                               on_gpu and not args.enforce_eager)
         print(f"\nspeculative verify steps, context {args.context[0]} (drafting not included):")
         print(table(VERIFY_HEADER, [r.cells() for r in verify]))
+    if args.kernels:
+        b, context = args.batch[0], args.context[0]
+        rows_k, total = kernel_profile(model, b, context, args.steps, on_gpu and not args.enforce_eager, args.kernels)
+        print(f"\n{'kernels' if on_gpu else 'CPU ops'} of a decode step, batch {b}, context {context} (profiled: "
+              f"{total * 1e3:.2f} ms of {'device' if on_gpu else 'CPU'} time per step):")
+        print(table(["kernel" if on_gpu else "op", "per step", "us per step", "of profiled"], rows_k))
     if not on_gpu:
         return
     if not args.no_breakdown:
