@@ -146,6 +146,14 @@ def _step_batch(cfg: ModelConfig, batch: int, context: int, device: torch.device
                        torch.arange(batch).repeat_interleave(rows).to(device))
 
 
+def _step_call(model: DeepseekV4, batch: DecodeBatch, cache, graphs: DecodeGraphs | None) -> Callable[[], object]:
+    """One decode step of `batch` as a call: a replay of its captured graph, or the eager forward."""
+    if graphs is None:
+        return lambda: model.forward(batch, cache)
+    ids, pos, slots = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
+    return lambda: graphs.run(ids, pos, slots)
+
+
 def bench_decode(model: DeepseekV4, dense: int, batches: Sequence[int], contexts: Sequence[int],
                  copy_bw: float, steps: int = 20, use_graphs: bool = True) -> list[DecodeRow]:
     cfg, device = model.cfg, model.embed.device
@@ -155,11 +163,7 @@ def bench_decode(model: DeepseekV4, dense: int, batches: Sequence[int], contexts
         graphs = DecodeGraphs(model, cache, max(batches), batches) if use_graphs else None
         for b in batches:
             batch = _step_batch(cfg, b, context, device)
-            if graphs is not None:
-                ids, pos, slots = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
-                step = _timed(lambda: graphs.run(ids, pos, slots), device, steps)
-            else:
-                step = _timed(lambda: model.forward(batch, cache), device, steps)
+            step = _timed(_step_call(model, batch, cache, graphs), device, steps)
             moved = dense + b * cfg.hidden_size * model.embed.element_size() + \
                 distinct_experts(model, batch, cache) * expert_bytes(cfg)
             rows.append(DecodeRow(context, b, step, moved, b * cache_read_bytes(cfg, context, model.dtype), copy_bw))
@@ -205,11 +209,7 @@ def bench_verify(model: DeepseekV4, batches: Sequence[int], context: int, k: int
         times = []
         for rows in (1, k + 1):
             batch = _step_batch(model.cfg, b, context, device, rows)
-            if graphs is not None:
-                args = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
-                times.append(_timed(lambda: graphs.run(*args), device, steps))
-            else:
-                times.append(_timed(lambda: model.forward(batch, cache), device, steps))
+            times.append(_timed(_step_call(model, batch, cache, graphs), device, steps))
         out.append(VerifyRow(b, k, *times))
         log.info("verify batch %d k %d: %.2f vs %.2f ms", b, k, times[1] * 1e3, times[0] * 1e3)
     return out
@@ -270,13 +270,8 @@ def kernel_profile(model: DeepseekV4, batch_size: int, context: int, steps: int,
     cfg, device = model.cfg, model.embed.device
     cuda = device.type == "cuda"
     cache = model.new_cache(batch_size + 1, context + 1, device)
-    batch = _step_batch(cfg, batch_size, context, device)
-    if use_graphs:
-        graphs = DecodeGraphs(model, cache, batch_size, [batch_size])
-        ids, pos, slots = batch.tokens.tolist(), batch.positions.tolist(), batch.slots.tolist()
-        step: Callable[[], object] = lambda: graphs.run(ids, pos, slots)
-    else:
-        step = lambda: model.forward(batch, cache)
+    graphs = DecodeGraphs(model, cache, batch_size, [batch_size]) if use_graphs else None
+    step = _step_call(model, _step_batch(cfg, batch_size, context, device), cache, graphs)
     _timed(step, device, 2)                                   # warm-up (compilation, capture) outside the profile
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):

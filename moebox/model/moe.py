@@ -11,7 +11,7 @@ import torch
 
 from moebox.config import ModelConfig
 from moebox.model.attention import WeightSource
-from moebox.ops.linear import SharedInputLinear, Weight, linear
+from moebox.ops.linear import SharedInputLinear, linear
 from moebox.ops.moe import route, routed_experts, swiglu
 
 
@@ -36,9 +36,6 @@ class MoE:
         except KeyError:
             self.layer_planes = None
 
-    def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
-        return self.experts[e]
-
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         out = self.routed(x, tokens)
         if self.shared_in is not None:
@@ -56,7 +53,7 @@ class MoE:
             from moebox.ops.triton.w2_moe import layer_views, w2_moe_decode_split
             views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
             return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit)
-        return routed_experts(x, idx, w, self.expert, cfg.swiglu_limit)
+        return routed_experts(x, idx, w, self.experts.__getitem__, cfg.swiglu_limit)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.shared_in(x)

@@ -10,9 +10,10 @@ CI) always take the eager function. `MOEBOX_COMPILE=0` turns compilation off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -22,6 +23,21 @@ RECOMPILE_LIMIT = 32
 
 def compile_enabled() -> bool:
     return os.environ.get("MOEBOX_COMPILE", "1") != "0"
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """MOEBOX_COMPILE=0 for the duration, restored after: every fused function (nested ones too) runs eagerly,
+    as the torch references of the kernels want."""
+    prev = os.environ.get("MOEBOX_COMPILE")
+    os.environ["MOEBOX_COMPILE"] = "0"
+    try:
+        yield
+    finally:
+        if prev is None:
+            del os.environ["MOEBOX_COMPILE"]
+        else:
+            os.environ["MOEBOX_COMPILE"] = prev
 
 
 def _traceable(arg: object) -> bool:

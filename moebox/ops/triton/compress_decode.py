@@ -75,15 +75,14 @@ no GPU needed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import math
-import os
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
+from moebox.ops.fuse import eager
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cubin_dump, graph_us,  # noqa: F401
                                        interpreting, kernel_or_fallback, next_pow2, plain_tensor, tl, triton)
 
@@ -380,9 +379,7 @@ def supported(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot: tor
     if not HAVE_TRITON or not plain_tensor(kv, 2) or finish not in _FINISH:
         return False
     dev = kv.device
-    if dev.type == "cuda":
-        pass
-    elif not (interpreting() and dev.type == "cpu"):
+    if not (dev.type == "cuda" or (interpreting() and dev.type == "cpu")):
         return False
     if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
         return False
@@ -475,27 +472,13 @@ def _fp32_sqrt(d: int) -> float:
     return float(torch.tensor(math.sqrt(d), dtype=torch.float32))
 
 
-@contextlib.contextmanager
-def _eager_torch() -> Iterator[None]:
-    """MOEBOX_COMPILE=0 for the duration: every @fused function runs eagerly (moebox/ops/fuse.py)."""
-    prev = os.environ.get("MOEBOX_COMPILE")
-    os.environ["MOEBOX_COMPILE"] = "0"
-    try:
-        yield
-    finally:
-        if prev is None:
-            del os.environ["MOEBOX_COMPILE"]
-        else:
-            os.environ["MOEBOX_COMPILE"] = prev
-
-
 def compress_step_reference(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor,
                             ring_kv, ring_gate, entries, ape: torch.Tensor, norm: torch.Tensor,
                             inv_freq: torch.Tensor, ratio: int, overlap: bool, eps: float, finish: str | None,
                             nope_dim: int) -> torch.Tensor:
     """The torch `compress_step` (moebox/model/decode_attention.py), run eagerly (no torch.compile)."""
     from moebox.model.decode_attention import compress_step
-    with _eager_torch():
+    with eager():
         return compress_step(kv, gate, pos, slot, ring_kv, ring_gate, entries, ape, norm, inv_freq, ratio, overlap,
                              eps, finish, nope_dim)
 

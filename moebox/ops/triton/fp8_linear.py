@@ -127,16 +127,15 @@ import argparse
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from moebox.weights.formats import QuantTensor
 
-from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, interpreting, next_pow2, num_sms, tl,  # noqa: F401
-                                       triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, each_copy, graph_us, interpreting,  # noqa: F401
+                                       next_pow2, num_sms, tl, triton)
 
 BLOCK = 128  # the FP8 scale block, both dimensions; also the dot kernel's K step
 
@@ -615,13 +614,6 @@ def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30) -
     return 2 * nbytes / ms / 1e6
 
 
-def _graph_ms(fn_per_copy: Callable[[int], object], copies: int, rep_ms: int = 200) -> float:
-    """Per-call time of `copies` calls captured in one CUDA graph (each on its own weight copy), replayed."""
-    graph, _ = capture(lambda: [fn_per_copy(i) for i in range(copies)])
-    ms = triton.testing.do_bench(graph.replay, warmup=min(10, max(1, rep_ms // 4)), rep=rep_ms)
-    return ms / copies
-
-
 def _weight_copies(w: QuantTensor, l2_miss_bytes: int) -> list[QuantTensor]:
     """w and clones of it: >= l2_miss_bytes in all (at most 128 copies), so calls cycling over them miss L2."""
     copies = max(1, min(128, -(-l2_miss_bytes // w.nbytes)))
@@ -664,7 +656,8 @@ def bench(device: str | torch.device = "cuda", shapes: Sequence[tuple[str, int, 
             decode = n <= 16
             if graph and decode:
                 ws = _weight_copies(w, l2_miss_bytes)
-                ms_g = _graph_ms(lambda i: fp8_linear_triton(x, ws[i], out=out, config=cfg), len(ws))
+                ms_g = graph_us(each_copy(lambda i: fp8_linear_triton(x, ws[i], out=out, config=cfg), len(ws)),
+                                rep=200) / 1e3
                 row.update(ms_graph=ms_g, GB_s_graph=wbytes / ms_g / 1e6, graph_copies=len(ws))
                 del ws
             rows.append(row)
@@ -725,8 +718,9 @@ def bench_grouped(device: str | torch.device = "cuda", shape: tuple[str, int, in
         if not max(errs) < 2e-2:  # NaN (an element not written) too
             print(f"{head} WRONG: rel. error grouped {errs[0]:.1e}, loop {errs[1]:.1e}", flush=True)
             continue
-        ms = _graph_ms(lambda i: fp8_grouped_linear_triton(x, ws[i], groups, out=out), len(ws))
-        ms_loop = _graph_ms(lambda i: loop(x, views[i], out), len(ws))
+        ms = graph_us(each_copy(lambda i: fp8_grouped_linear_triton(x, ws[i], groups, out=out), len(ws)),
+                      rep=200) / 1e3
+        ms_loop = graph_us(each_copy(lambda i: loop(x, views[i], out), len(ws)), rep=200) / 1e3
         gbs, gbs_loop = w.nbytes / ms / 1e6, w.nbytes / ms_loop / 1e6
         rows_out.append({"shape": name, "groups": groups, "rows": rows, "in": in_f, "N": n, "config": cfg,
                          "us": ms * 1e3, "GB/s": gbs, "copy": gbs / copy_gbs, "us_loop": ms_loop * 1e3,
@@ -845,7 +839,8 @@ def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat
                     if not err < 2e-2:  # NaN (an element not written) too
                         print(f"{head} WRONG: rel. error {err:.1e}", flush=True)
                         continue
-                    ms = _graph_ms(lambda i: fp8_linear_triton(x, ws[i], out=out, config=cfg), len(ws), rep_ms=20)
+                    ms = graph_us(each_copy(lambda i: fp8_linear_triton(x, ws[i], out=out, config=cfg), len(ws)),
+                                  rep=20) / 1e3
                 except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources
                     print(f"{head} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
                     continue

@@ -51,15 +51,14 @@ CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 
-from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, next_pow2, num_sms, rel_err,  # noqa: F401
-                                       tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, graph_us, next_pow2,  # noqa: F401
+                                       num_sms, rel_err, tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -379,14 +378,6 @@ def random_site(n: int, hc: int = 4, hidden: int = 4096, dtype: torch.dtype = to
     return X, fn, base, scale
 
 
-def _graph_us(call: Callable[[int], object], copies: int) -> float:
-    """Per-call time (us) of `copies` calls captured in one CUDA graph (each on its own inputs), replayed."""
-    graph, _ = capture(lambda: [call(i) for i in range(copies)])
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100)
-    del graph
-    return ms * 1e3 / copies
-
-
 def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dtype: torch.dtype,
              config: HcConfig | None, ops: Sequence[str], torch_ref: bool, l2_miss_bytes: int) -> list[dict]:
     """The bench rows of one N (its inputs are freed on return)."""
@@ -408,8 +399,8 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
         fused, ref = calls[op]
         got, want = fused(0), ref(0)
         err = max(rel_err(a, b) for a, b in zip(got, want)) if op == "hc_pre" else rel_err(got, want)
-        us = _graph_us(fused, copies)
-        us_ref = _graph_us(ref, copies) if torch_ref else float("nan")
+        us = graph_us(each_copy(fused, copies))
+        us_ref = graph_us(each_copy(ref, copies)) if torch_ref else float("nan")
         rows.append(dict(op=op, N=n, bytes=nbytes[op], us=us, GB_s=nbytes[op] / us / 1e3, torch_us=us_ref,
                          torch_GB_s=nbytes[op] / us_ref / 1e3, rel_err=err, copies=copies))
     return rows

@@ -79,8 +79,14 @@ def bench_start() -> None:
         raise SystemExit("the bench needs triton and a CUDA device")
 
 
+def each_copy(fn: Callable[[int], object], copies: int) -> list[Callable[[], object]]:
+    """fn(0), ..., fn(copies - 1) as calls for `graph_us` (each call on its own copy of the inputs)."""
+    return [functools.partial(fn, i) for i in range(copies)]
+
+
 def graph_us(calls: Sequence[Callable[[], object]], rep: int = 100) -> float:
-    """Per-call time (us) of `calls` captured back to back in one CUDA graph, replayed."""
+    """Per-call time (us) of `calls` captured back to back in one CUDA graph, replayed (triton's do_bench:
+    the L2 cache flushed before each replay)."""
     from moebox.ops.cuda_graphs import capture
     graph, _ = capture(lambda: [c() for c in calls])
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep)

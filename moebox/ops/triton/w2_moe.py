@@ -93,8 +93,7 @@ import torch
 from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.cuda_graphs import capture
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, interpreting, tl, triton,  # noqa: F401
+from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, tl, triton,  # noqa: F401
                                        versions)
 
 
@@ -771,12 +770,6 @@ SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
-def _graph_ms(calls: Sequence, rep: int) -> float:
-    """Per-call time of `calls` captured back to back in one CUDA graph, replayed (L2 flushed per replay)."""
-    graph, _ = capture(lambda: [call() for call in calls])
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep) / len(calls)
-
-
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16), hidden: int = 4096,
           intermediate: int = 2048, experts: int = 256, k: int = 6, limit: float = 10.0,
           dtype: torch.dtype = torch.bfloat16, configs: Sequence[tuple[str, DecodeConfig]] = (("default",
@@ -806,7 +799,7 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
         for name, cfg in configs:
             fns = [lambda ids=ids, w=w: w2_moe_decode_triton(x, ids, w, *planes, limit, out=out, config=cfg)
                    for ids, w in routes]
-            ms = _graph_ms(fns, rep)
+            ms = graph_us(fns, rep) / 1e3
             row = {"variant": name, "config": cfg, "tokens": n, "calls": calls, "plane_bytes": nbytes, "ms": ms,
                    "GB/s": nbytes / ms / 1e6, "copy_GB/s": copy_gbs}
             rows.append(row)
