@@ -72,7 +72,7 @@ def fp4_codes_from_values(x: torch.Tensor) -> torch.Tensor:
     x0.5, all exact) makes the code (minus the range's first code, 0/2/4) the nearest integer, and torch's
     round-half-to-even picks the even code at every midpoint, because each range starts at an even code.
     """
-    mag = torch.fmin(x.abs(), torch.tensor(FP4_MAX, dtype=x.dtype, device=x.device))
+    mag = x.abs().nan_to_num(nan=FP4_MAX).clamp_(max=FP4_MAX)   # no host tensor: CUDA graphs capture this
     ge2, ge4 = mag >= 2, mag >= 4
     scaled = mag * torch.where(ge2, torch.where(ge4, 0.5, 1.0), 2.0).to(x.dtype)
     code = scaled.round_().to(torch.uint8)
