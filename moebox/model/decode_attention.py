@@ -74,7 +74,8 @@ def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: t
     keys = index_keys[slot]                                                                 # [B, E, dI]
     scores = torch.relu(torch.einsum("bhd,bkd->bhk", qi.float(), keys.float()))
     scores = (scores * (wi.float() * scale).unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
-    top = scores.topk(min(topk, scores.shape[1]), dim=-1).indices
+    # unsorted: attention does not care about the order, and sorting the k rows was 4.8% of a batch-1 step
+    top = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=False).indices
     return top, valid.gather(1, top)
 
 
