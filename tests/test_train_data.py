@@ -25,7 +25,7 @@ from moebox.train.data import KINDS, Document, documents, eval_records, write_co
 EOS = "<｜end▁of▁sentence｜>"
 BOS = "<｜begin▁of▁sentence｜>"
 D = "｜DSML｜"
-CHAT = ("arith", "count", "multi_turn", "tool_call", "tool_answer")
+CHAT = ("arith", "count", "multi_turn", "tool_call", "tool_answer", "copy")
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,11 @@ def _count_truth(q: str) -> tuple[str, int]:
     (letter,) = [x for x in quoted if len(x) == 1]
     (word,) = [x for x in quoted if len(x) > 1]
     return word, word.count(letter)
+
+
+def _copy_request(q: str) -> str:
+    """The text a copy question asks to be repeated: all after the first ": ", without quotes."""
+    return q.split(": ", 1)[1].strip('"')
 
 
 def _last_int(text: str) -> int:
@@ -189,7 +194,7 @@ def test_mix_counts_and_arguments():
 def _identities(docs_or_records) -> dict[str, set]:
     """What must never be shared between the splits, read from the items (not from the generator's keys)."""
     out: dict[str, set] = {k: set() for k in ("problem", "question", "word", "call", "city", "fx", "topic",
-                                              "chunk", "source")}
+                                              "copied", "chunk", "source")}
     for x in docs_or_records:
         msgs = x.messages or []
         users = _users(msgs)
@@ -200,6 +205,8 @@ def _identities(docs_or_records) -> dict[str, set]:
         elif x.kind == "count":
             out["word"].add(_count_truth(users[0])[0])
             out["question"].add(tuple(users))
+        elif x.kind == "copy":
+            out["copied"].add(_copy_request(users[0]))
         elif x.kind in ("tool_call", "tool_answer"):
             out["question"].add(users[0])
             calls = [tc for m in msgs + [getattr(x, "target", None) or {}] for tc in (m.get("tool_calls") or [])]
@@ -358,6 +365,25 @@ def test_tool_answers_quote_the_tool_result(heldout, records):
         assert fact in _content(x)
         if isinstance(x, data.EvalRecord):
             assert x.fact == fact
+
+
+def test_copy_answers_repeat_the_request(heldout, records):
+    items = [x for x in heldout + records if x.kind == "copy"]
+    assert items
+    for x in items:
+        request = _copy_request(_users(x.messages)[0])
+        assert _content(x) == request and len(request.split()) >= 2
+        if isinstance(x, data.EvalRecord):
+            assert x.fact == request
+
+
+def test_most_names_to_copy_are_made_up(train):
+    """Copying, not memorising, is the way to get a name right: the train split holds far more distinct cities,
+    topics and words than the real-name pools (each name in a test reached only through the items' text)."""
+    ids = _identities(train)
+    for what, real in (("city", data.CITIES), ("topic", data.TOPICS), ("word", data.WORDS)):
+        assert len(ids[what] - set(real)) > len(ids[what] & set(real)) / 2, what
+        assert len(ids[what]) > (len(real) if what != "word" else 100), what
 
 
 # --- text ---------------------------------------------------------------------------------------------------------

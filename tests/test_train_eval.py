@@ -51,6 +51,12 @@ def test_tool_answer_must_quote_the_fact():
     assert not score(record, record.completion.replace(record.fact, "something")).correct
 
 
+def test_copy_must_be_exact():
+    record = next(r for r in RECORDS if r.kind == "copy")
+    assert not score(record, record.completion.replace(record.fact, record.fact + " and more")).correct
+    assert not score(record, record.completion.replace(record.fact, record.fact.split()[0])).correct
+
+
 def test_eval_cli_compares_native_and_w2(tiny_ckpt, tmp_path):
     out = subprocess.run([sys.executable, "-m", "moebox.cli", "eval", str(tiny_ckpt), "--n-per-kind", "1",
                           "--max-tokens", "8", "--store", str(tmp_path / "store"), "--mtp", "2"],

@@ -19,37 +19,40 @@ The demo model must (a) speak the real serving format, so that `moebox serve` ca
 * A tool call ends its document (the model stops at EOS and the client runs the tool); the answer that uses the
   tool result is a second document whose messages carry the call and a ``role: "tool"`` message.
 
-Chat kinds: ``arith`` (add/sub/mul of small ints, step-by-step reasoning), ``count`` (letters in a word,
-occurrences of a letter, reasoning that spells the word), ``multi_turn`` (2-3 user turns of follow-up arithmetic
-on the previous answer; only the last assistant turn is the target, earlier ones are history), ``tool_call`` (one
-call to get_weather / convert_currency / search_docs, with string, enum, number, integer and boolean arguments) and
-``tool_answer`` (the assistant answers from the tool result and quotes it). Each chat item picks thinking or chat
-mode (50/50), a system prompt (30%), and for the non-tool kinds the tools are sometimes declared anyway (20%), so the
-model learns that declared tools need not be called. Text kinds: ``code`` (line-aligned chunks of the running
-interpreter's standard-library sources) and ``prose`` (their docstrings, read with `ast`, not `inspect`: importing
-every stdlib module has side effects, e.g. ``antigravity`` opens a web browser). Text documents are BOS + chunk,
-with the whole chunk as completion and no EOS (chunks are cut mid-file; EOS means "end of assistant turn").
+Chat kinds: ``arith`` (add/sub/mul of small ints, step-by-step reasoning), ``count`` (letters in a word, occurrences
+of a letter, reasoning that spells the word), ``multi_turn`` (2-3 user turns of follow-up arithmetic on the previous
+answer; only the last assistant turn is the target, earlier ones are history), ``tool_call`` (one call to
+get_weather / convert_currency / search_docs, with string, enum, number, integer and boolean arguments),
+``tool_answer`` (the assistant answers from the tool result and quotes it) and ``copy`` (repeat a string of made-up
+words and numbers exactly). Half of the cities, search topics and counted words are made up from syllables
+(`_invented_word`): with only the few dozen real ones, a small model memorises each name instead of learning to copy
+it from the prompt, and gets unseen names wrong. Each chat item picks thinking or chat mode (50/50), a system prompt
+(30%), and for the non-tool kinds the tools are sometimes declared anyway (20%), so the model learns that declared
+tools need not be called. Text kinds: ``code`` (line-aligned chunks of the running interpreter's standard-library
+sources) and ``prose`` (their docstrings, read with `ast`, not `inspect`: importing every stdlib module has side
+effects, e.g. ``antigravity`` opens a web browser). Text documents are BOS + chunk, with the whole chunk as
+completion and no EOS (chunks are cut mid-file; EOS means "end of assistant turn").
 
-Default mix (`DEFAULT_MIX`): ~62% chat, ~38% text. The chat share teaches the format and the demo's skills; the
+Default mix (`DEFAULT_MIX`): ~67% chat, ~33% text. The chat share teaches the format and the demo's skills; the
 text share gives a tiny model enough general language and code statistics to produce fluent content.
 
 Determinism and splits
 ----------------------
-Everything derives from SHA-256 of explicit strings (never `hash()`, never the global `random`), so the output is
-a function of (split, seed, n, mix) and, for the text kinds, of the interpreter's stdlib files (sorted paths;
-identical for a given Python installation). The split an item belongs to does *not* depend on the seed, so no
-seed can move an item across: `split_of` hashes the item's identity and sends `HELDOUT_FRACTION` of it to
-"heldout". The identity is chosen so that held-out items are really unseen: an arithmetic problem (operands sorted
-for + and ×; every step of a multi-turn chain must be in the split too), a word for counting, a city for the
-weather tool, a currency pair for conversion, a topic for search, a stdlib file for text. A text chunk's own content
-hash must agree with its file's split too: then text repeated verbatim in two files (license headers, vendored
-copies) can never be in both splits on any Python installation (CPython 3.11 has no such chunk at the default
-size, so this costs ~20% of the text pool and buys a guarantee). Phrasing templates are shared by both splits:
-evaluation measures new facts and arguments, not new wording.
+Everything derives from SHA-256 of explicit strings (never `hash()`, never the global `random`), so the output is a
+function of (split, seed, n, mix) and, for the text kinds, of the interpreter's stdlib files (sorted paths;
+identical for a given Python installation). The split an item belongs to does *not* depend on the seed, so no seed
+can move an item across: `split_of` hashes the item's identity and sends `HELDOUT_FRACTION` of it to "heldout". The
+identity is chosen so that held-out items are really unseen: an arithmetic problem (operands sorted for + and ×;
+every step of a multi-turn chain must be in the split too), a word for counting, a city for the weather tool (real
+or made up), a currency pair for conversion, a topic for search, a copied string, a stdlib file for text. A text
+chunk's own content hash must agree with its file's split too: then text repeated verbatim in two files (license
+headers, vendored copies) can never be in both splits on any Python installation (CPython 3.11 has no such chunk at
+the default size, so this costs ~20% of the text pool and buys a guarantee). Phrasing templates are shared by both
+splits: evaluation measures new facts and arguments, not new wording.
 
-`eval_records` gives structured held-out items for scoring: the expected int answer (arith, count, multi_turn),
-the expected tool name and arguments (tool_call), a fact that the answer must quote (tool_answer), and the
-held-out chunks for perplexity (code, prose). `write_corpus` writes train/heldout/eval JSONL files.
+`eval_records` gives structured held-out items for scoring: the expected int answer (arith, count, multi_turn), the
+expected tool name and arguments (tool_call), a fact that the answer must quote (tool_answer), the string to repeat
+(copy), and the held-out chunks for perplexity (code, prose). `write_corpus` writes train/heldout/eval JSONL files.
 """
 
 from __future__ import annotations
@@ -76,17 +79,18 @@ __all__ = [
 ]
 
 SPLITS = ("train", "heldout")
-CHAT_KINDS = ("arith", "count", "multi_turn", "tool_call", "tool_answer")
+CHAT_KINDS = ("arith", "count", "multi_turn", "tool_call", "tool_answer", "copy")
 TEXT_KINDS = ("code", "prose")
 KINDS = CHAT_KINDS + TEXT_KINDS
 DEFAULT_MIX: dict[str, float] = {
-    "arith": 0.16, "count": 0.12, "multi_turn": 0.10, "tool_call": 0.14, "tool_answer": 0.10,
-    "code": 0.22, "prose": 0.16,
+    "arith": 0.15, "count": 0.11, "multi_turn": 0.09, "tool_call": 0.14, "tool_answer": 0.10, "copy": 0.08,
+    "code": 0.19, "prose": 0.14,
 }
 HELDOUT_FRACTION = 0.2
 THINKING_SHARE = 0.5
 SYSTEM_SHARE = 0.3
 PLAIN_TOOLS_SHARE = 0.2  # non-tool chats that still declare tools
+INVENTED_SHARE = 0.5     # cities, topics and words made up from syllables (see `_invented_word`)
 MAX_TEXT_CHARS = 1200
 MIN_TEXT_CHARS = 200
 _MAX_DRAWS = 10_000
@@ -286,6 +290,33 @@ def _in_split(pool: str, values: tuple[T, ...], split: str) -> tuple[T, ...]:
     return tuple(v for v in values if split_of(pool, v) == split)
 
 
+# --- made-up names ----------------------------------------------------------------------------------------------------
+
+# Made-up names: a few dozen real cities let a small model memorise every one of them instead of learning to copy
+# a name from the prompt (the third and fifth sessions' demos wrote "Bogotów" for "Vienna"); millions of
+# syllable strings leave copying as the only way to get them right.
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "st", "tr",
+           "th", "sh", "ch")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ei", "ou")
+_CODAS = ("", "", "", "n", "r", "l", "s", "m", "k")
+_TOPIC_NOUNS = ("settings", "errors", "sessions", "tokens", "queues", "plugins", "exports", "limits", "logs",
+                "schemas")
+
+
+def _invented_word(rng: random.Random) -> str:
+    """2-3 random syllables, lower case (e.g. "draimonsel")."""
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                   for _ in range(rng.choice((2, 3))))
+
+
+def _entity(rng: random.Random, split: str, pool: str, real: tuple[T, ...], invent: Callable[[], T]) -> T:
+    """A real entity of `pool` in `split`, or (`INVENTED_SHARE`) a made-up one in `split`; both kinds are split
+    by the same identity, (pool, value)."""
+    if rng.random() < INVENTED_SHARE:
+        return _draw_in_split(split, invent, lambda v: (pool, v))
+    return rng.choice(_in_split(pool, real, split))
+
+
 # --- chat helpers ---------------------------------------------------------------------------------------------------
 
 
@@ -440,7 +471,7 @@ _LETTER_ANSWERS = ("'{c}' appears {n} {times} in '{w}'.", "The letter '{c}' occu
 
 
 def _count(rng: random.Random, split: str, thinking: bool) -> _Item:
-    word = rng.choice(_in_split("word", WORDS, split))
+    word = _entity(rng, split, "word", WORDS, lambda: _invented_word(rng))
     if rng.random() < 0.4:
         n = len(word)
         question = rng.choice(_LEN_QUESTIONS).format(w=word)
@@ -485,7 +516,7 @@ _TITLES = ("{T}: overview", "Configuring {t}", "Troubleshooting {t}", "{T} refer
 
 def _weather_call(rng: random.Random, split: str) -> tuple[str, dict, str, str]:
     """(question, arguments, reasoning, lead-in content) for a get_weather call."""
-    city = rng.choice(_in_split("city", CITIES, split))
+    city = _entity(rng, split, "city", CITIES, lambda: _invented_word(rng).capitalize())
     unit = rng.choice(("celsius", "fahrenheit"))
     unit_text = rng.choice((unit, unit.capitalize()))
     question = rng.choice(_WEATHER_QUESTIONS).format(city=city, unit=unit_text)
@@ -508,7 +539,8 @@ def _fx_call(rng: random.Random, split: str) -> tuple[str, dict, str, str]:
 
 
 def _search_call(rng: random.Random, split: str) -> tuple[str, dict, str, str]:
-    topic = rng.choice(_in_split("topic", TOPICS, split))
+    topic = _entity(rng, split, "topic", TOPICS,
+                    lambda: f"{_invented_word(rng)} {rng.choice(_TOPIC_NOUNS)}")
     limit, exact = rng.randint(1, 10), rng.random() < 0.5
     question = rng.choice(_SEARCH_QUESTIONS).format(q=topic, limit=limit, exact=rng.choice(_EXACT_TEXT[exact]))
     reasoning = (f'The user wants up to {limit} documentation results about "{topic}", '
@@ -589,9 +621,29 @@ def _tool_answer(rng: random.Random, split: str, thinking: bool) -> _Item:
                  _assistant(thinking, reasoning, content), expected={"fact": fact})
 
 
+# --- copying --------------------------------------------------------------------------------------------------------
+
+_COPY_QUESTIONS = ("Repeat this exactly: {s}", "Say back exactly what follows: {s}", "Echo this text: {s}",
+                   'Copy this word for word: "{s}"')
+
+
+def _copy_text(rng: random.Random) -> str:
+    """2-8 made-up words, some of them numbers."""
+    return " ".join(str(rng.randint(0, 9999)) if rng.random() < 0.2 else _invented_word(rng)
+                    for _ in range(rng.randint(2, 8)))
+
+
+def _copy(rng: random.Random, split: str, thinking: bool) -> _Item:
+    text = _draw_in_split(split, lambda: _copy_text(rng), lambda t: ("copy", t))
+    question = rng.choice(_COPY_QUESTIONS).format(s=text)
+    reasoning = f"The user wants this text repeated exactly: {text}"
+    return _Item("copy", ("copy", text), thinking, [{"role": "user", "content": question}], _maybe_tools(rng),
+                 _assistant(thinking, reasoning, text), expected={"fact": text})
+
+
 _CHAT_MAKERS: dict[str, Callable[[random.Random, str, bool], _Item]] = {
     "arith": _arith, "count": _count, "multi_turn": _multi_turn, "tool_call": _tool_call,
-    "tool_answer": _tool_answer,
+    "tool_answer": _tool_answer, "copy": _copy,
 }
 
 

@@ -6,6 +6,7 @@ back with the server's own parser, so a score says what an API client would get:
   tool_call                  validity: one call of a declared tool whose arguments are JSON that fits its schema;
                              correctness: the expected tool with exactly the expected arguments
   tool_answer                the answer's content quotes the fact from the tool result
+  copy                       the answer's content is exactly the text the user asked to be repeated
   code, prose                perplexity of the held-out chunk after BOS
 Comparing w2 with native experts also gives top-1 agreement and KL(native, w2) of the next-token
 distributions over the held-out text, the direct measure of what the 2-bit planes cost. With `mtp_k`, the chat
@@ -71,6 +72,8 @@ def score(record: EvalRecord, completion: str) -> Score:
         return Score(valid and name == record.tool_name and args == record.arguments, valid)
     if record.kind == "tool_answer":
         return Score(not calls and record.fact is not None and record.fact in content)
+    if record.kind == "copy":
+        return Score(not calls and content.strip() == record.fact)
     numbers = _INT.findall(content)
     return Score(not calls and bool(numbers) and int(numbers[-1].replace(",", "")) == record.answer)
 
