@@ -91,3 +91,27 @@ def test_induction_probe_scores_both_runs_of_each_length(tiny_ckpt):
     uniform = math.log(parse_config(json.loads((tiny_ckpt / "config.json").read_text())).vocab_size)
     for _, first, repeat in rows:
         assert 0.5 * uniform < float(first) < 2 * uniform and 0.5 * uniform < float(repeat) < 2 * uniform
+
+
+def test_copy_learning_splits_each_row_into_runs_and_repeats():
+    """A row is BOS then (run, same run) pairs, and the loss halves are read where they are: an oracle that knows
+    every repeat (and guesses uniformly elsewhere) scores ~0 on the repeats and log(alphabet) on the first runs."""
+    from bench.copy_learning import copy_rows, losses_by_half
+    g = torch.Generator().manual_seed(0)
+    rows = copy_rows(g, rows=3, run_len=5, alphabet=7, first_id=20, bos=0, pairs=4)
+    assert rows.shape == (3, 1 + 2 * 5 * 4) and (rows[:, 0] == 0).all()
+    pairs = rows[:, 1:].view(3, 4, 2, 5)
+    assert torch.equal(pairs[:, :, 0], pairs[:, :, 1]) and ((pairs >= 20) & (pairs < 27)).all()
+
+    def oracle(seqs: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((*seqs.shape, 32), -1e4)
+        logits[..., 20:27] = 0.0                                          # uniform over the alphabet
+        nxt = torch.cat([seqs[:, 1:], seqs[:, :1]], 1)
+        second = torch.zeros_like(seqs, dtype=torch.bool)
+        second[:, 1:] = (torch.arange(seqs.shape[1] - 1) // 5 % 2 == 1)    # tokens of each repeat
+        known = torch.cat([second[:, 1:], second[:, :1]], 1)               # the next token is a repeat's
+        logits[known] = logits[known].scatter(1, nxt[known][:, None], 1e4)
+        return logits.flatten(0, 1)
+
+    _, first, repeat = losses_by_half(oracle, rows, run_len=5)
+    assert abs(first - math.log(7)) < 1e-4 and repeat < 1e-4
