@@ -5,13 +5,14 @@
 #   bash bench/gpu_session.sh decode    # kernel benches, then the full-size decode bench (4K, 64K, verify cost,
 #                                       # the costliest kernels of a batch-1 step)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off
-#   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES, and
-#                                       # TRAIN_ARGS: more `moebox train` flags, JSON without spaces); run it
-#                                       # alone: next to the tests, its cold compile took 221 s of 450
+#   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES or
+#                                       # STEPS + PAUSE, and TRAIN_ARGS: more `moebox train` flags, JSON without
+#                                       # spaces); run it alone: next to the tests, its cold compile took 221 s
+#   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, MTP vs plain on it, prefill bench
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-phase=${1:?usage: bash bench/gpu_session.sh tests|decode|ab|train|spec}
+phase=${1:?usage: bash bench/gpu_session.sh tests|decode|ab|train|copycheck|spec}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/$phase.log"
@@ -54,12 +55,21 @@ train)
     if [ -n "${CORPUS:-}" ] && [ ! -d "$run_dir/corpus" ]; then
         mkdir -p "$run_dir" && tar xJf "$CORPUS" -C "$run_dir" corpus tokenizer.json   # config: from the flags
     fi
-    # shellcheck disable=SC2086  # TRAIN_ARGS holds several flags
-    step train python3 -m moebox.cli train --run-dir "$run_dir" --device cuda --minutes "${MINUTES:-7}" \
+    # a time budget (MINUTES), or a fixed count (STEPS) over several calls: each call pauses after PAUSE minutes,
+    # and the next one (on the still-warm machine: run it within its 30 s idle release) resumes the run
+    if [ -n "${STEPS:-}" ]; then length="--steps $STEPS --pause-after-minutes ${PAUSE:-8.5}"
+    else length="--minutes ${MINUTES:-7}"; fi
+    # shellcheck disable=SC2086  # TRAIN_ARGS and length hold several flags
+    step train python3 -m moebox.cli train --run-dir "$run_dir" --device cuda $length \
         --batch-tokens 65536 --n-train 100000 ${TRAIN_ARGS:-}
-    tar cf - -C "$run_dir" model settings.json | split -b 15M - "$out/model.tar.part-"
+    if [ -d "$run_dir/model" ]; then
+        tar cf - -C "$run_dir" model settings.json | split -b 15M - "$out/model.tar.part-"
+    fi
     # on the CPU box, after fetching: on CUDA every new prompt length compiles, and a call ran out of time here
     echo "next: python -m bench.induction_probe <model>" | tee -a "$out/summary.txt"
+    ;;
+copycheck)                    # does the compiled CUDA training path learn to copy as the CPU does (docs/benchmarks.md)?
+    step copy-learning python3 -m bench.copy_learning --device cuda --layers 6 --steps 300 --variants '{}'
     ;;
 spec)                         # after the trained model is shipped in moebox/demo_model
     step eval python3 -m moebox.cli eval moebox/demo_model --device cuda --n-per-kind 50

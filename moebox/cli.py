@@ -202,6 +202,8 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--minutes", type=float, default=None,
                    help="train for this long instead of --steps (the count is fixed after 10 timed steps and saved)")
+    p.add_argument("--pause-after-minutes", type=float, default=None,
+                   help="save and stop after this long, without exporting; the same command resumes the run")
     defaults = TrainSettings()
     for field, value in vars(defaults).items():
         flag = "--" + field.replace("_", "-")
@@ -223,8 +225,9 @@ def _run_train(args: argparse.Namespace) -> int:
     from moebox.train.trainer import TrainSettings, train
     settings = TrainSettings(**{k: getattr(args, k) for k in vars(TrainSettings())})
     out = train(args.run_dir, settings, device=args.device,
-                budget_s=None if args.minutes is None else args.minutes * 60)
-    print(f"trained model: {out}")
+                budget_s=None if args.minutes is None else args.minutes * 60,
+                pause_s=None if args.pause_after_minutes is None else args.pause_after_minutes * 60)
+    print(f"trained model: {out}" if out else f"paused: run the same command again to continue {args.run_dir}")
     return 0
 
 

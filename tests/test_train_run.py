@@ -19,9 +19,9 @@ SETTINGS = TrainSettings(preset="tiny", steps=8, batch_tokens=300, seq_len=150, 
 FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in vars(SETTINGS).items()]
 
 
-def _cli(run: Path) -> subprocess.Popen:
+def _cli(run: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "moebox.cli", "train", "--run-dir", str(run), *FLAGS],
+    return subprocess.Popen([sys.executable, "-m", "moebox.cli", "train", "--run-dir", str(run), *FLAGS, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -53,6 +53,21 @@ def test_killed_training_resumes_to_the_uninterrupted_weights(tmp_path):
     from moebox import LLM, SamplingParams
     out = LLM(run / "model", progress=False).generate([[0, 5, 6]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_paused_run_exports_nothing_and_resumes_to_the_uninterrupted_weights(tmp_path):
+    """--pause-after-minutes: a run longer than one device call stops cleanly (state saved, no model) and the
+    same command finishes it with the weights of a run that never stopped."""
+    whole = tmp_path / "whole"
+    train(whole, SETTINGS, progress=False)
+    run = tmp_path / "paused"
+    paused = _cli(run, "--pause-after-minutes", "0")
+    out, err = paused.communicate(timeout=300)
+    assert paused.returncode == 0 and "paused" in out, err[-2000:]
+    assert torch.load(run / "state.pt")["step"] == 1 and not (run / "model").exists()
+    assert train(run, SETTINGS, progress=False) == run / "model"
+    a, b = _params(whole), _params(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_other_settings_in_the_same_run_dir_are_refused(tmp_path):

@@ -163,13 +163,15 @@ def _save(path: Path, state: dict) -> None:
 
 
 def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: bool = True,
-          budget_s: float | None = None) -> Path:
-    """Run (or resume) training in `run_dir`; returns the exported model directory.
+          budget_s: float | None = None, pause_s: float | None = None) -> Path | None:
+    """Run (or resume) training in `run_dir`; returns the exported model directory, or None when paused.
 
     `budget_s`: instead of `s.steps`, train as many steps as fit in this many seconds from now. The step
     count is fixed from the speed of steps 5..10 (before the learning-rate warm-up ends, so the schedule is
     whole) and written to settings.json: `--steps` with that number reproduces the run, and a resumed run
-    keeps it."""
+    keeps it. `pause_s`: save the state and stop (without exporting) once this many seconds have passed, so a
+    run longer than one sitting (a device call is capped at 10 minutes) goes on where it stopped when resumed;
+    the schedule is the run's, so the result equals an uninterrupted run's."""
     started = time.perf_counter()
     model_config(s)                          # a bad --config-overrides fails before anything is written
     run = Path(run_dir)
@@ -248,16 +250,22 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
                      per_step, s.steps, s.steps)
         bar.set_postfix(loss=f"{main.item():.3f}", mtp=f"{mtp.item():.3f}",
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-        if step % s.save_every == 0 or step == s.steps:
+        pausing = pause_s is not None and time.perf_counter() - started > pause_s and step != s.steps
+        if step % s.save_every == 0 or step == s.steps or pausing:
             _save(state_path, {"params": {n: p.detach() for n, p in learned.items()}, "optimizer": opt.state_dict(),
                                "step": step, "epoch": batches.epoch, "pos": batches.pos,
                                "offset": batches.offset})
             log.info("step %d: loss %.4f, mtp %.4f (saved %s)", step, main.item(), mtp.item(), state_path)
+        if pausing:
+            break
     bar.close()
     if warm is not None and step > warm[1]:
         per_step = (time.perf_counter() - warm[0]) / (step - warm[1])
         log.info("trained steps %d..%d: %.3f s/step after warm-up (%.0f tok/s)", first, step, per_step,
                  rows * s.seq_len / per_step)
+    if step != s.steps:
+        log.info("paused at step %d of %d: run the same command again to go on", step, s.steps)
+        return None
     out = run / "model"
     if not out.exists():                       # export next to it, then rename: never a half-written model/
         tmp = run / "model.tmp"
