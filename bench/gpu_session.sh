@@ -2,17 +2,18 @@
 # The GPU checks of issues D, E and G, in phases that each fit one device call (<= 10 min on an H200); the
 # numbers in docs/benchmarks.md come from these exact commands. Run from the repo root:
 #   bash bench/gpu_session.sh tests     # GPU tests of every kernel and of the model (no stop at a failure)
-#   bash bench/gpu_session.sh decode    # kernel benches, then the full-size decode bench (4K, 64K, verify cost,
-#                                       # the costliest kernels of a batch-1 step)
+#   bash bench/gpu_session.sh kernels   # the kernel benches (attention, compressor step, grouped FP8, w2 experts)
+#   bash bench/gpu_session.sh decode    # the full-size decode bench (4K, 64K, verify cost, the costliest kernels
+#                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off
 #   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES or
 #                                       # STEPS + PAUSE, and TRAIN_ARGS: more `moebox train` flags, JSON without
 #                                       # spaces); run it alone: next to the tests, its cold compile took 221 s
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
-#   bash bench/gpu_session.sh spec      # eval of the shipped demo, MTP vs plain on it, prefill bench
+#   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-phase=${1:?usage: bash bench/gpu_session.sh tests|decode|ab|train|copycheck|spec}
+phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|decode|ab|train|copycheck|spec}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/$phase.log"
@@ -36,11 +37,15 @@ tests)
         tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_mhc.py tests/test_cuda.py
     ;;
-decode)
+kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
     step compress-kernel python3 -m moebox.ops.triton.compress_decode
     step fp8-grouped python3 -m moebox.ops.triton.fp8_linear --grouped
+    step w2-experts python3 -m moebox.ops.triton.w2_moe
+    ;;
+decode)
     step decode python3 -m moebox.bench.decode decode --context 4096 65536 --verify 2 --kernels 40
+    step prefill python3 -m moebox.bench.decode prefill
     ;;
 ab)
     for switch in MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0; do
@@ -74,7 +79,6 @@ copycheck)                    # does the compiled CUDA training path learn to co
 spec)                         # after the trained model is shipped in moebox/demo_model
     step eval python3 -m moebox.cli eval moebox/demo_model --device cuda --n-per-kind 50
     step spec python3 -m moebox.bench.decode spec --device cuda
-    step prefill python3 -m moebox.bench.decode prefill
     ;;
 *)
     echo "unknown phase $phase" >&2
