@@ -7,7 +7,7 @@
 #                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
-#                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1")
+#                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
 #   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES or
 #                                       # STEPS + PAUSE, and TRAIN_ARGS: more `moebox train` flags, JSON without
 #                                       # spaces); run it alone: next to the tests, its cold compile took 221 s

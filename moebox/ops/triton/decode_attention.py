@@ -407,7 +407,7 @@ def random_inputs(batch: int, nh: int = 64, d: int = 512, ring_rows: int = 130, 
                   fill: float = 1.0) -> dict:
     """Keyword arguments of `attend_triton` (minus config/out) for one decode step, V4-Flash-shaped by default:
     kind "sliding" (window only), "csa" (k distinct random rows of a table_rows-row table, a random prefix of
-    them valid — the valid rows first, as the indexer's top-k returns them) or "hca" (rows None: all
+    them valid: the kernel masks row by row, so where the valid rows sit does not matter) or "hca" (rows None: all
     table_rows rows, a random prefix valid). Sequence b uses slot 2b + 1 of `slots` (default 2B + 1).
     Keys ~N(0, 1) (RMS-normed rows) stored in `dtype`, q ~N(0, 1.5^2) in q_dtype (default dtype) so the
     scaled scores spread over several units, sinks ~N(0, 1) with one large one (+6), window positions at random
