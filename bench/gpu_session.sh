@@ -34,10 +34,11 @@ step() {                      # step NAME CMD...: run, log everything, print a o
 case $phase in
 tests)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$log" 2>&1
-    # kernels first (the three newest have never run on a GPU), the model last; a hang leaves the log so far
+    # kernels first (route and PDL have never run on a GPU), the model last; a hang leaves the log so far
     step gpu-tests timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
         tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
-        tests/test_triton_w2.py tests/test_triton_mhc.py tests/test_cuda.py
+        tests/test_triton_w2.py tests/test_triton_mhc.py tests/test_triton_route.py tests/test_triton_pdl.py \
+        tests/test_cuda.py
     ;;
 kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
