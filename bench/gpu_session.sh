@@ -5,7 +5,9 @@
 #   bash bench/gpu_session.sh kernels   # the kernel benches (attention, compressor step, grouped FP8, w2 experts)
 #   bash bench/gpu_session.sh decode    # the full-size decode bench (4K, 64K, verify cost, the costliest kernels
 #                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts)
-#   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off
+#   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
+#                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
+#                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
 #   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES or
 #                                       # STEPS + PAUSE, and TRAIN_ARGS: more `moebox train` flags, JSON without
 #                                       # spaces); run it alone: next to the tests, its cold compile took 221 s
@@ -32,10 +34,11 @@ step() {                      # step NAME CMD...: run, log everything, print a o
 case $phase in
 tests)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$log" 2>&1
-    # kernels first (the three newest have never run on a GPU), the model last; a hang leaves the log so far
+    # kernels first (route and PDL have never run on a GPU), the model last; a hang leaves the log so far
     step gpu-tests timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
         tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
-        tests/test_triton_w2.py tests/test_triton_mhc.py tests/test_cuda.py
+        tests/test_triton_w2.py tests/test_triton_mhc.py tests/test_triton_route.py tests/test_triton_pdl.py \
+        tests/test_cuda.py
     ;;
 kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
@@ -47,9 +50,10 @@ decode)
     step decode python3 -m moebox.bench.decode decode --context 4096 65536 --verify 2 --kernels 40
     step prefill python3 -m moebox.bench.decode prefill
     ;;
-ab)
-    for switch in MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0; do
-        step "decode-$switch" env "$switch" python3 -m moebox.bench.decode decode --context 4096 --batch 1 16 \
+ab)                           # AB="..." picks the switches (default: each part of the fast path off)
+    for switch in ${AB:-MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do
+        # shellcheck disable=SC2086  # a switch may set several variables: A=1,B=1
+        step "decode-$switch" env ${switch//,/ } python3 -m moebox.bench.decode decode --context 4096 --batch 1 16 \
             --no-breakdown
     done
     ;;

@@ -1,7 +1,8 @@
 """The MoE feed-forward of every DeepSeek-V4 block: routed experts (hash or scored routing) + shared expert.
 
 Routed experts run through the torch reference (`ops.moe.routed_experts`), except for a decode batch of w2
-experts on CUDA, which takes the fused Triton kernels over the plane store's layer buffer (zero-copy views)."""
+experts on CUDA, which takes the fused Triton kernels over the plane store's layer buffer (zero-copy views);
+a decode batch on CUDA also routes in one Triton kernel."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from moebox.config import ModelConfig
 from moebox.model.attention import WeightSource
 from moebox.ops.linear import SharedInputLinear, linear
-from moebox.ops.moe import route, routed_experts, swiglu
+from moebox.ops.moe import route, route_from_logits, routed_experts, router_logits, swiglu
+from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 
 DECODE_TOKENS = 16     # up to this many tokens, w2 experts on CUDA run the fused Triton decode kernels
@@ -42,11 +44,24 @@ class MoE:
             out = out + self.shared_expert(x)
         return out
 
+    def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [N, k], weights [N, k] fp32). A decode batch of a scored layer on CUDA routes its logits in
+        one Triton kernel (moebox/ops/triton/route.py; MOEBOX_ROUTE_KERNEL=0 keeps the torch code)."""
+        cfg = self.cfg
+        kw = dict(top_k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
+                  scaling=cfg.routed_scaling_factor)
+        if self.tid2eid is None and x.shape[0] <= DECODE_TOKENS and kernel_switched_on(x, "MOEBOX_ROUTE_KERNEL"):
+            from moebox.ops.triton import route as kernel
+            logits = router_logits(x, self.gate)
+            if kernel.supported(logits, cfg.scoring_func, cfg.num_experts_per_tok):
+                return kernel_or_fallback(
+                    "routing", "MOEBOX_ROUTE_KERNEL", lambda: kernel.route_triton(logits, self.bias, **kw),
+                    lambda: route_from_logits(logits, bias=self.bias, tid2eid=None, tokens=None, **kw))
+        return route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, tokens=tokens, **kw)
+
     def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        idx, w = route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, tokens=tokens,
-                       top_k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
-                       norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
+        idx, w = self.route(x, tokens)
         if self.on_route is not None:
             self.on_route(idx)
         if self.layer_planes is not None and x.is_cuda and x.shape[0] <= DECODE_TOKENS:

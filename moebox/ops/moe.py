@@ -22,12 +22,27 @@ def expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 
 @fused
+def router_logits(x: torch.Tensor, gate_weight: Weight) -> torch.Tensor:
+    """[N, E] fp32: the router's product, in fp32 as the reference does."""
+    return linear(x.float(), gate_weight)
+
+
+@fused
 def route(x: torch.Tensor, gate_weight: Weight, *, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
           tokens: torch.Tensor, top_k: int, scoring_func: str, norm_topk_prob: bool,
           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (expert ids [N, k] long, weights [N, k] fp32). Hash layers pick experts by token id; the bias
     only steers selection, never the weights."""
-    scores = expert_scores(linear(x.float(), gate_weight), scoring_func)
+    return route_from_logits(router_logits(x, gate_weight), bias=bias, tid2eid=tid2eid, tokens=tokens,
+                             top_k=top_k, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob,
+                             scaling=scaling)
+
+
+def route_from_logits(logits: torch.Tensor, *, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                      tokens: torch.Tensor | None, top_k: int, scoring_func: str, norm_topk_prob: bool,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` after the router's product (moebox/ops/triton/route.py is this for decode batches)."""
+    scores = expert_scores(logits, scoring_func)
     if tid2eid is not None:
         idx = tid2eid[tokens].long()
     else:

@@ -83,8 +83,9 @@ from typing import Sequence
 import torch
 
 from moebox.ops.fuse import eager
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cubin_dump, graph_us,  # noqa: F401
-                                       interpreting, kernel_or_fallback, next_pow2, plain_tensor, tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cubin_dump, graph_us, interpreting,  # noqa: F401
+                                       kernel_or_fallback, next_pow2, pdl_enabled, pdl_options, pdl_start, plain_tensor,
+                                       tl, triton)
 
 __all__ = ["CompressConfig", "pick_config", "supported", "compress_step_triton", "compress_step_reference",
            "compress_decode", "random_inputs", "clone_inputs", "positional", "V4_SHAPES", "sass_report", "bench",
@@ -297,8 +298,10 @@ if HAVE_TRITON:
                          s_pos, s_slot, s_kv, s_gate, s_rks, s_rkr, s_rgs, s_rgr, s_es, s_er, s_ape, s_vis,
                          D: tl.constexpr, D_PAD: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
                          HALF_RD: tl.constexpr, NOPE: tl.constexpr, FINISH: tl.constexpr, LOG2D: tl.constexpr,
-                         BR: tl.constexpr, B_PAD: tl.constexpr, VB: tl.constexpr, PRECISE: tl.constexpr):
+                         BR: tl.constexpr, B_PAD: tl.constexpr, VB: tl.constexpr, PRECISE: tl.constexpr,
+                         PDL: tl.constexpr):
         """Program b: sequence b's ring stores, mask row, and (when its token closes a window) entry."""
+        pdl_start(PDL)
         b = tl.program_id(0).to(tl.int64)
         p = tl.load(pos_ptr + b * s_pos).to(tl.int64)
         s = tl.load(slot_ptr + b * s_slot).to(tl.int64)
@@ -462,7 +465,7 @@ def compress_step_triton(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor
         D=d, D_PAD=dp, R=ratio, OVERLAP=bool(overlap), HALF_RD=inv_freq.numel(), NOPE=int(nope_dim) if finish == "kv"
         else 0, FINISH=_FINISH[finish], LOG2D=max(0, d.bit_length() - 1) if finish == "index" else 0,
         BR=cfg.block_rows, B_PAD=_batch_pad(b), VB=cfg.vis_block, PRECISE=kv.device.type == "cuda",
-        num_warps=cfg.num_warps, **kwargs)
+        PDL=(pdl := pdl_enabled(kv)), num_warps=cfg.num_warps, **kwargs, **pdl_options(pdl))
     return out
 
 
@@ -589,7 +592,7 @@ def sass_report(kind: str = "csa", config: CompressConfig | None = None, precise
                 s_rkr=c, s_rgs=size * c, s_rgr=c, s_es=shp["table_rows"] * d, s_er=d, s_ape=c, s_vis=shp["table_rows"])
     const = dict(D=d, D_PAD=_d_pad(d, finish), R=ratio, OVERLAP=overlap, HALF_RD=32, NOPE=d - 64 if finish == "kv"
                  else 0, FINISH=_FINISH[finish], LOG2D=d.bit_length() - 1 if finish == "index" else 0,
-                 BR=cfg.block_rows, B_PAD=_batch_pad(batch), VB=cfg.vis_block, PRECISE=precise)
+                 BR=cfg.block_rows, B_PAD=_batch_pad(batch), VB=cfg.vis_block, PRECISE=precise, PDL=False)
     sig = {a: ("*" + ptrs[a] if a in ptrs else "fp32" if a in ("eps", "sqrt_d") else "constexpr" if a in const
                else "i32") for a in names}
     aligned = [(names.index(a),) for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]

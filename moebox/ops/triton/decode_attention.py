@@ -81,9 +81,9 @@ from typing import Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, cubin_dump, graph_us,  # noqa: F401
-                                       interpreting, kernel_or_fallback, next_pow2, num_sms, plain_tensor,
-                                       rel_err, tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, cubin_dump, graph_us, interpreting,  # noqa: F401
+                                       kernel_or_fallback, next_pow2, num_sms, pdl_enabled, pdl_options, pdl_start,
+                                       plain_tensor, rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
            "attend_decode", "random_inputs", "sass_report", "bench", "sweep"]
@@ -165,9 +165,10 @@ if HAVE_TRITON:
                        s_qb, s_qh, s_rs, s_rr, s_wb, s_es, s_er, s_rowb, s_vb, s_ob, s_oh,
                        D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
                        HAS_ENT: tl.constexpr,
-                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr):
+                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, g): sequence b, heads [g*HB, (g+1)*HB), key tiles [s*TPS, (s+1)*TPS) of the NT tiles
         (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials."""
+        pdl_start(PDL)
         b = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
         offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
@@ -228,8 +229,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, NH, NSPLIT, s_ob, s_oh,
-                        D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, S_PAD: tl.constexpr):
+                        D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr):
         """out[b, heads, cols] from the SPLIT partials of sequence b, summed in split order."""
+        pdl_start(PDL)
         b = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
         offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -359,13 +361,14 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
         out.stride(0), out.stride(1),
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
-        SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT_P=q.dtype != torch.float32, FINAL=final, PDL=(pdl := pdl_enabled(q)), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(pdl))
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
         cbd = min(next_pow2(cfg.combine_block_d), d_pad)
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, out, nh, cfg.split, out.stride(0), out.stride(1),
-            D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), num_warps=4)
+            D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), PDL=pdl, num_warps=4, **pdl_options(pdl))
     return out
 
 
@@ -404,7 +407,7 @@ def random_inputs(batch: int, nh: int = 64, d: int = 512, ring_rows: int = 130, 
                   fill: float = 1.0) -> dict:
     """Keyword arguments of `attend_triton` (minus config/out) for one decode step, V4-Flash-shaped by default:
     kind "sliding" (window only), "csa" (k distinct random rows of a table_rows-row table, a random prefix of
-    them valid — the valid rows first, as the indexer's top-k returns them) or "hca" (rows None: all
+    them valid: the kernel masks row by row, so where the valid rows sit does not matter) or "hca" (rows None: all
     table_rows rows, a random prefix valid). Sequence b uses slot 2b + 1 of `slots` (default 2B + 1).
     Keys ~N(0, 1) (RMS-normed rows) stored in `dtype`, q ~N(0, 1.5^2) in q_dtype (default dtype) so the
     scaled scores spread over several units, sinks ~N(0, 1) with one large one (+6), window positions at random
@@ -468,7 +471,7 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
                 NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
     const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
-                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1)
+                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, PDL=False)
     fn = _attend_kernel
     names = fn.arg_names
     sig = {}

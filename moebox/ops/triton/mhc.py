@@ -58,7 +58,7 @@ import torch
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, graph_us, next_pow2,  # noqa: F401
-                                       num_sms, rel_err, tl, triton)
+                                       num_sms, pdl_enabled, pdl_options, pdl_start, rel_err, tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -127,8 +127,9 @@ def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) 
 if HAVE_TRITON:
     @triton.jit
     def _mix_logits_kernel(x_ptr, fn_ptr, ws_ptr, N, K, M, K_PER_SPLIT, SPLIT, stride_xn, stride_fm,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr):
         """ws[n, s, :M] = X_flat[n, Ks] @ fn[:, Ks]^T, ws[n, s, M] = sum(X_flat[n, Ks]^2) for the K range Ks."""
+        pdl_start(PDL)
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,10 +157,11 @@ if HAVE_TRITON:
     def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                     H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
                     HC: tl.constexpr, HC_PAD: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr):
+                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr, PDL: tl.constexpr):
         """Per token n: the logits from the partials. Not HEAD: program 0 computes post and the Sinkhorn-
         normalised comb (first, so the longest dependency chain starts first), the other programs x over
         their BLOCK_H columns; HEAD: all programs compute x."""
+        pdl_start(PDL)
         n = tl.program_id(0)
         ph = tl.program_id(1) - (0 if HEAD else 1)     # the H block of an x program; -1: post/comb
         M: tl.constexpr = HC if HEAD else (2 + HC) * HC
@@ -205,8 +207,9 @@ if HAVE_TRITON:
     @triton.jit
     def _post_kernel(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, H, stride_on, stride_Xn, stride_yn,
                      stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
-                     HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                     HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         """y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h]; coefficients rounded to X's dtype."""
+        pdl_start(PDL)
         n = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_k = tl.arange(0, HC_PAD)
@@ -272,7 +275,8 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tup
     fn = _rows(fn)
     _mix_logits_kernel[(cdiv(n, cfg.block_n), cfg.split)](
         X, fn, ws, n, k, m, per, cfg.split, X.stride(0), fn.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, PDL=(pdl := pdl_enabled(X)), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(pdl))
     return ws, m_pad
 
 
@@ -288,7 +292,7 @@ def _mix(X: torch.Tensor, ws: torch.Tensor, m_pad: int, base: torch.Tensor, scal
         X, ws, _rows(base), _rows(scale), x, x if head else post, x if head else comb,
         hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), x.stride(0),
         HC=hc, HC_PAD=next_pow2(hc), M_PAD=m_pad, S_PAD=next_pow2(cfg.split), BLOCK_H=block_h, HEAD=head,
-        num_warps=cfg.mix_warps)
+        PDL=(pdl := pdl_enabled(X)), num_warps=cfg.mix_warps, **pdl_options(pdl))
 
 
 def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
@@ -360,7 +364,8 @@ def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb:
     _post_kernel[(n, cdiv(hidden, block_h))](
         out, X, post, comb, y, hidden, out.stride(0), X.stride(0), y.stride(0),
         post.stride(0), post.stride(1), comb.stride(0), comb.stride(1), comb.stride(2),
-        HC=hc, HC_PAD=next_pow2(hc), BLOCK_H=block_h, num_warps=cfg.num_warps)
+        HC=hc, HC_PAD=next_pow2(hc), BLOCK_H=block_h, PDL=(pdl := pdl_enabled(X)), num_warps=cfg.num_warps,
+        **pdl_options(pdl))
     return y
 
 

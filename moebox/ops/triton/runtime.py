@@ -41,6 +41,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether kernels on t's device launch with programmatic dependent launch (Hopper+, MOEBOX_PDL=1).
+
+    A decode step is a chain of ~2 000 small dependent kernels, each a few microseconds (docs/benchmarks.md,
+    sixth session). With PDL a kernel lets the next one launch as soon as all its programs have started, and
+    the next one's programs wait in `pdl_start` until it has finished and its writes are visible: the launch
+    and scheduling of a kernel overlap its predecessor. Off by default until the decode bench shows the gain."""
+    return (HAVE_TRITON and t.is_cuda and os.environ.get("MOEBOX_PDL", "0") == "1"
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def pdl_options(on: bool) -> dict[str, bool]:
+    """The launch keyword of a kernel started with `PDL=on` (nothing when off: the interpreter takes none)."""
+    return {"launch_pdl": True} if on else {}
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -125,5 +141,19 @@ def kernel_or_fallback(name: str, switch: str, kernel: Callable[[], T], fallback
         return fallback()
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A kernel's first statement: with PDL, wait until the kernel before it has finished (its writes
+        visible), then let the kernel after it launch."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+else:
+    pdl_start = None
+
+
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
-           "versions", "bench_start", "graph_us", "cubin_dump", "cdiv", "next_pow2", "plain_tensor", "rel_err"]
+           "versions", "bench_start", "graph_us", "cubin_dump", "cdiv", "next_pow2", "plain_tensor", "rel_err",
+           "pdl_enabled", "pdl_options", "pdl_start"]
+

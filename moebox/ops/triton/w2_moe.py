@@ -93,8 +93,8 @@ import torch
 from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, tl, triton,  # noqa: F401
-                                       versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, pdl_enabled,  # noqa: F401
+                                       pdl_options, pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,8 @@ if HAVE_TRITON:
     def _gate_up_kernel(x_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, h_ptr,
                         x_row_stride, c_expert_stride, s_expert_stride, limit,
                         I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                        X_WORDS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+                        X_WORDS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
         rb = tl.program_id(1)
         t = p // K
@@ -237,7 +238,8 @@ if HAVE_TRITON:
     def _down_kernel(h_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr,
                      out_row_stride, c_expert_stride, s_expert_stride,
                      H: tl.constexpr, IW: tl.constexpr, K: tl.constexpr,
-                     ROWS: tl.constexpr, WORDS: tl.constexpr):
+                     ROWS: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         t = tl.program_id(0)
         rb = tl.program_id(1)
         rows = rb * ROWS + tl.arange(0, ROWS)
@@ -356,8 +358,10 @@ if HAVE_TRITON:
         return tl.sum(tl.reshape(tl.sum(acc, axis=1), (2, S, 8)), axis=1)
 
     @triton.jit
-    def _pack_x_kernel(x_ptr, xp_ptr, x_row_stride, KW: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr):
+    def _pack_x_kernel(x_ptr, xp_ptr, x_row_stride, KW: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
         """x [N, 16 KW] -> xp: T bf16 terms in the pair layout (module doc), int16 view [N, T, KW, 16]."""
+        pdl_start(PDL)
         n = tl.program_id(0)
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + k).to(tl.float32)
@@ -377,7 +381,8 @@ if HAVE_TRITON:
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
                             TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
-                            PREFETCH: tl.constexpr, USE_ASM: tl.constexpr):
+                            PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
         rw = tl.program_id(1)                       # 16 rows of I: one word of h
         t = p // K
@@ -444,7 +449,8 @@ if HAVE_TRITON:
     def _down_mma_kernel(hp_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr,
                          out_row_stride, c_expert_stride, s_expert_stride,
                          IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
-                         PREFETCH: tl.constexpr, USE_ASM: tl.constexpr):
+                         PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         t = tl.program_id(0)
         rb = tl.program_id(1)
         g, sp, rho, w = _tile_coords(S)
@@ -519,12 +525,12 @@ def _decode_fma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         x_arg, ids, rw, w1c, w1s, w3c, w3s, h,
         x_stride, w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, HAS_LIMIT=has_limit, X_WORDS=cfg.transpose_x, ROWS=g_rows, WORDS=g_words,
-        num_warps=cfg.gate_warps, num_stages=cfg.num_stages)
+        PDL=(pdl := pdl_enabled(x)), num_warps=cfg.gate_warps, num_stages=cfg.num_stages, **pdl_options(pdl))
     _down_kernel[(n, hidden // d_rows)](
         h, ids, w2c, w2s, out,
         out.stride(0), w2c.stride(0), w2s.stride(0),
-        H=hidden, IW=iw, K=k, ROWS=d_rows, WORDS=d_words,
-        num_warps=cfg.down_warps, num_stages=cfg.num_stages)
+        H=hidden, IW=iw, K=k, ROWS=d_rows, WORDS=d_words, PDL=pdl,
+        num_warps=cfg.down_warps, num_stages=cfg.num_stages, **pdl_options(pdl))
 
 
 def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
@@ -539,21 +545,22 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
     use_asm = not interpreting()
     block = _pow2_block(1024, hidden)
-    _pack_x_kernel[(n, hidden // block)](x, xp.view(torch.int16), x.stride(0), KW=hw, T=tx, BLOCK=block,
-                                         num_warps=4)
+    pdl = pdl_enabled(x)
+    _pack_x_kernel[(n, hidden // block)](x, xp.view(torch.int16), x.stride(0), KW=hw, T=tx, BLOCK=block, PDL=pdl,
+                                         num_warps=4, **pdl_options(pdl))
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
     _gate_up_mma_kernel[(pairs, iw)](
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm,
-        num_warps=gate_split, num_stages=1)
+        USE_ASM=use_asm, PDL=pdl,
+        num_warps=gate_split, num_stages=1, **pdl_options(pdl))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
-        num_warps=down_split, num_stages=1)
+        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, PDL=pdl,
+        num_warps=down_split, num_stages=1, **pdl_options(pdl))
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -733,7 +740,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
-    const.update(S=split, PREFETCH=prefetch, USE_ASM=True)
+    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, PDL=False)
     names = fn.arg_names
     sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
     aligned = [(names.index(a),) for a, ty in zip(names, types) if ty != "fp32"]

@@ -1,0 +1,86 @@
+"""Expert routing from the router's logits in one Triton kernel (decode): scores, biased top-k, weights.
+
+Why: after the router's GEMV, torch routes a decode step's tokens in three kernels: the scores plus the bias
+(inductor), `torch.topk` (a block-wide radix select, ~10 us in a CUDA graph) and the gather and normalisation
+(inductor). In the kernel profile of a batch-1 V4-Flash step (docs/benchmarks.md, sixth session) the top-k
+launches alone are 6.7% of the step. Here one program per token holds all E scores in registers and takes the
+top k in k rounds of (max, lowest index at the max, mask it out): one launch of ~2 us.
+
+Semantics: `moebox.ops.moe.route` for a non-hash layer (noaux_tc): scores = sqrt(softplus(logits)) or
+sigmoid(logits) in fp32; the experts are picked by scores + bias; their weights are the unbiased scores,
+divided by their sum (+ 1e-20) when normalised, times the scaling factor. Equal selection values pick the lower
+expert index (torch's top-k leaves ties unspecified); the k experts come in selection order (the consumers sum
+over them). softplus is torch's: x above 20, else log1p(exp(x)), with log1p(u) as u - u^2/2 below 1e-4 (the
+plain log(1 + u) would lose those u in fp32). A NaN logit cannot send an id out of range: ids are clamped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebox.ops.triton.runtime import (HAVE_TRITON, next_pow2, pdl_enabled, pdl_options, pdl_start,  # noqa: F401
+                                       tl, triton)
+
+SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}   # softmax scores are not taken (the torch path routes them)
+MAX_EXPERTS = 4096                             # one program's register tile
+
+if HAVE_TRITON:
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_ln, scaling,
+                      K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_E)
+        me = offs < E
+        x = tl.load(logits_ptr + n * stride_ln + offs, mask=me, other=0.0).to(tl.float32)
+        if SCORING == 0:
+            u = tl.exp(tl.minimum(x, 20.0))
+            log1p = tl.where(u < 1e-4, u - 0.5 * u * u, tl.log(1.0 + u))
+            s = tl.sqrt(tl.where(x > 20.0, x, log1p))
+        else:
+            s = tl.sigmoid(x)
+        sel = s
+        if HAS_BIAS:
+            sel += tl.load(bias_ptr + offs, mask=me, other=0.0).to(tl.float32)
+        sel = tl.where(me, sel, float("-inf"))
+        kk = tl.arange(0, K_PAD)
+        ids = tl.zeros((K_PAD,), dtype=tl.int32)
+        ws = tl.zeros((K_PAD,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            best = tl.max(sel, axis=0)
+            e = tl.minimum(tl.min(tl.where(sel == best, offs, BLOCK_E), axis=0), E - 1)
+            ids = tl.where(kk == j, e, ids)
+            ws = tl.where(kk == j, tl.sum(tl.where(offs == e, s, 0.0), axis=0), ws)
+            sel = tl.where(offs == e, float("-inf"), sel)
+        if NORM:
+            ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+        mk = kk < K
+        tl.store(ids_ptr + n * K + kk, ids.to(tl.int64), mask=mk)
+        tl.store(w_ptr + n * K + kk, ws * scaling, mask=mk)
+
+
+def supported(logits: torch.Tensor, scoring_func: str, top_k: int) -> bool:
+    """Whether `route_triton` takes these logits [N, E] (fp32/bf16/fp16, unit column stride)."""
+    return (HAVE_TRITON and logits.dim() == 2 and logits.stride(1) == 1 and scoring_func in SCORINGS
+            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and 1 <= top_k <= logits.shape[1] <= MAX_EXPERTS)
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, scoring_func: str,
+                 norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (expert ids [N, k] int64, weights [N, k] fp32), as `moebox.ops.moe.route` does after its
+    router product (non-hash layers)."""
+    if not supported(logits, scoring_func, top_k):
+        raise ValueError(f"route_triton takes [N, E <= {MAX_EXPERTS}] float logits with unit column stride and "
+                         f"scoring {sorted(SCORINGS)}; got {tuple(logits.shape)} {logits.dtype} {scoring_func}")
+    n, e = logits.shape
+    ids = torch.empty((n, top_k), dtype=torch.int64, device=logits.device)
+    w = torch.empty((n, top_k), dtype=torch.float32, device=logits.device)
+    if n:
+        _route_kernel[(n,)](
+            logits, logits if bias is None else bias, ids, w, e, logits.stride(0), float(scaling),
+            K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(e), SCORING=SCORINGS[scoring_func],
+            HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PDL=(pdl := pdl_enabled(logits)), num_warps=4,
+            **pdl_options(pdl))
+    return ids, w

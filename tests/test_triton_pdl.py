@@ -1,0 +1,115 @@
+"""Programmatic dependent launch (MOEBOX_PDL=1): a kernel launched early must wait for its predecessor before it
+reads anything, or it races with it. Checked on the sources of every kernel, and in the sm_90 build of one."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moebox.ops.triton.runtime import HAVE_TRITON, pdl_enabled
+
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "moebox" / "ops" / "triton"
+
+
+def _kernels() -> dict[str, ast.FunctionDef]:
+    out = {}
+    for path in sorted(KERNEL_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                out[f"{path.name}:{node.name}"] = node
+    return out
+
+
+def _launches() -> list[tuple[str, ast.Call]]:
+    """`kernel[grid](...)` calls."""
+    out = []
+    for path in sorted(KERNEL_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                out.append((f"{path.name}:{ast.unparse(node.func.value)}", node))
+    return out
+
+
+def test_every_launched_kernel_waits_for_its_predecessor_first():
+    kernels = _kernels()
+    launched = {name.split(":")[0] + ":" + ast.unparse(call.func.value) for name, call in _launches()}
+    assert len(launched) >= 14
+    for name in launched:
+        fn = kernels[name]
+        assert "PDL" in [a.arg for a in fn.args.args], f"{name} takes no PDL flag"
+        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+            else fn.body
+        assert ast.unparse(body[0]) == "pdl_start(PDL)", f"{name} does not start with pdl_start(PDL)"
+    for name, call in _launches():
+        keywords = {k.arg for k in call.keywords}
+        assert "PDL" in keywords and None in keywords, f"{name}: launched without PDL=... and **pdl_options(...)"
+
+
+def test_pdl_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("MOEBOX_PDL", raising=False)
+    assert not pdl_enabled(torch.zeros(1))
+    monkeypatch.setenv("MOEBOX_PDL", "1")
+    assert not pdl_enabled(torch.zeros(1))          # CPU tensors: never
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_the_hopper_build_waits_before_its_first_load():
+    """mHC's post kernel built for sm_90 (no GPU needed): with PDL the PTX waits on the grid dependency before its
+    first global load and then lets dependents launch; without PDL neither instruction is there."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moebox.ops.triton import mhc
+    from moebox.ops.triton.runtime import triton
+
+    fn = mhc._post_kernel
+    ptrs = ("o_ptr", "X_ptr", "post_ptr", "comb_ptr", "y_ptr")
+    for pdl in (True, False):
+        const = dict(HC=4, HC_PAD=4, BLOCK_H=1024, PDL=pdl)
+        sig = {a: "*bf16" if a in ("o_ptr", "X_ptr", "y_ptr") else "*fp32" if a in ptrs else
+               "constexpr" if a in const else "i32" for a in fn.arg_names}
+        src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in const.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+        first_load = re.search(r"\bld\.global", ptx).start()
+        if pdl:
+            assert 0 <= wait < launch < first_load
+        else:
+            assert wait < 0 and launch < 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_dependent_chain_in_a_cuda_graph_gives_the_same_bits_with_pdl(monkeypatch):
+    """30 mHC sites, each reading what the one before wrote (pre, post, pre, ...), captured in a CUDA graph:
+    with PDL every kernel starts early and must still see its predecessor's output, so the bits equal the run
+    without PDL and the eager run."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or newer")
+    from moebox.ops.cuda_graphs import capture
+    from moebox.ops.triton.mhc import hc_post_triton, hc_pre_triton, random_site
+
+    X0, fn, base, scale = random_site(4)
+    kw = dict(iters=20, eps=1e-6, norm_eps=1e-6)
+
+    def chain() -> torch.Tensor:
+        X = X0
+        for _ in range(30):
+            x, post, comb = hc_pre_triton(X, fn, base, scale, **kw)
+            X = hc_post_triton(torch.tanh(x), X, post, comb)   # a torch kernel in between, as in the model
+        return X
+
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("MOEBOX_PDL", pdl)
+        eager = chain()
+        graph, out = capture(chain)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), pdl
+        results[pdl] = out.clone()
+    assert torch.equal(results["0"], results["1"])
