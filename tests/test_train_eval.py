@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from moebox.train.data import CHAT_KINDS, eval_records
-from moebox.train.evaluate import score
+from moebox.train.evaluate import copy_similarity, score
 
 RECORDS = eval_records(0, 6, kinds=CHAT_KINDS)
 
@@ -55,6 +55,15 @@ def test_copy_must_be_exact():
     record = next(r for r in RECORDS if r.kind == "copy")
     assert not score(record, record.completion.replace(record.fact, record.fact + " and more")).correct
     assert not score(record, record.completion.replace(record.fact, record.fact.split()[0])).correct
+
+
+def test_copy_similarity_gives_credit_for_part_of_the_text():
+    record = next(r for r in RECORDS if r.kind == "copy")
+    first = record.fact.split()[0]
+    assert copy_similarity(record, record.completion) == 1.0
+    half = copy_similarity(record, record.completion.replace(record.fact, first))
+    assert 0 < half < 1
+    assert copy_similarity(record, record.completion.replace(record.fact, "")) == 0.0
 
 
 def test_eval_cli_compares_native_and_w2(tiny_ckpt, tmp_path):

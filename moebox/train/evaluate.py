@@ -6,7 +6,9 @@ back with the server's own parser, so a score says what an API client would get:
   tool_call                  validity: one call of a declared tool whose arguments are JSON that fits its schema;
                              correctness: the expected tool with exactly the expected arguments
   tool_answer                the answer's content quotes the fact from the tool result
-  copy                       the answer's content is exactly the text the user asked to be repeated
+  copy                       the answer's content is exactly the text the user asked to be repeated; and, since a
+                             small model gets part of it right long before all of it, the mean similarity of the
+                             two (difflib's ratio: 1 for equal texts, 0 for nothing in common)
   code, prose                perplexity of the held-out chunk after BOS
 Comparing w2 with native experts also gives top-1 agreement and KL(native, w2) of the next-token
 distributions over the held-out text, the direct measure of what the 2-bit planes cost. With `mtp_k`, the chat
@@ -16,6 +18,7 @@ length (tokens per verify step, the bonus token included) and the acceptance rat
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -78,6 +81,12 @@ def score(record: EvalRecord, completion: str) -> Score:
     return Score(not calls and bool(numbers) and int(numbers[-1].replace(",", "")) == record.answer)
 
 
+def copy_similarity(record: EvalRecord, completion: str) -> float:
+    """How close a copy record's answer comes to the requested text (difflib ratio in [0, 1])."""
+    _, content, _, _ = parse_completion(completion, bool(record.thinking), record.tools)
+    return difflib.SequenceMatcher(None, (content or "").strip(), record.fact or "").ratio()
+
+
 @dataclass
 class Report:
     experts: str
@@ -122,6 +131,9 @@ def evaluate(llm, records: list[EvalRecord], experts: str, max_tokens: int = 192
             report.rows[name] = sum(s.correct for s in got) / len(got)
             if kind == "tool_call":
                 report.rows["tool_call valid"] = sum(s.valid for s in got) / len(got)
+            if kind == "copy":
+                report.rows["copy similarity"] = sum(copy_similarity(r, o.outputs[0].text) for r, o in
+                                                     zip(chat, outs) if r.kind == kind) / len(got)
     text_records = [r for r in records if r.kind in TEXT_KINDS]
     text = text_logits(llm, text_records)
     for kind in TEXT_KINDS:
