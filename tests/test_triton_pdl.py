@@ -24,19 +24,24 @@ def _kernels() -> dict[str, ast.FunctionDef]:
     return out
 
 
-def _launches() -> list[tuple[str, ast.Call]]:
-    """`kernel[grid](...)` calls."""
+def _launches() -> list[tuple[str, ast.Call, set[str]]]:
+    """`kernel[grid](...)` calls, each with the names its function binds to `pdl_args(...)`."""
     out = []
     for path in sorted(KERNEL_DIR.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-                out.append((f"{path.name}:{ast.unparse(node.func.value)}", node))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            bound = {t.id for a in ast.walk(fn) if isinstance(a, ast.Assign) and "pdl_args(" in ast.unparse(a.value)
+                     for t in a.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                    out.append((f"{path.name}:{ast.unparse(node.func.value)}", node, bound))
     return out
 
 
 def test_every_launched_kernel_waits_for_its_predecessor_first():
     kernels = _kernels()
-    launched = {name.split(":")[0] + ":" + ast.unparse(call.func.value) for name, call in _launches()}
+    launched = {name for name, _, _ in _launches()}
     assert len(launched) >= 14
     for name in launched:
         fn = kernels[name]
@@ -44,9 +49,10 @@ def test_every_launched_kernel_waits_for_its_predecessor_first():
         body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
             else fn.body
         assert ast.unparse(body[0]) == "pdl_start(PDL)", f"{name} does not start with pdl_start(PDL)"
-    for name, call in _launches():
-        keywords = {k.arg for k in call.keywords}
-        assert "PDL" in keywords and None in keywords, f"{name}: launched without PDL=... and **pdl_options(...)"
+    for name, call, bound in _launches():
+        spread = [k.value for k in call.keywords if k.arg is None]
+        assert any("pdl_args(" in ast.unparse(v) or (isinstance(v, ast.Name) and v.id in bound) for v in spread), \
+            f"{name}: launched without **pdl_args(...) (its PDL flag and launch option)"
 
 
 def test_pdl_is_off_unless_asked(monkeypatch):

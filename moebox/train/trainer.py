@@ -87,15 +87,15 @@ def model_config(s: TrainSettings) -> dict:
     return raw
 
 
-def _prepare(run: Path, s: TrainSettings, progress: bool) -> tuple[dict, Tokenizer, list[list[int]]]:
-    """Corpus, tokenizer and config (made once, reused after), and the tokenized training documents."""
+def _prepare(run: Path, s: TrainSettings, raw_cfg: dict, progress: bool) -> tuple[dict, Tokenizer, list[list[int]]]:
+    """Corpus, tokenizer and config (made once, reused after; `raw_cfg` is `model_config(s)`), and the tokenized
+    training documents."""
     corpus = run / "corpus"
     if not (corpus / "manifest.json").exists():
         log.info("writing the corpus to %s", corpus)
         write_corpus(corpus, seed=s.seed, n_train=s.n_train, n_heldout=s.n_heldout,
                      n_eval_per_kind=s.n_eval_per_kind)
     texts = [json.loads(line)["text"] for line in (corpus / "train.jsonl").read_text().splitlines()]
-    raw_cfg = model_config(s)
     tok_path = run / "tokenizer.json"
     if tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
@@ -173,7 +173,7 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
     run longer than one sitting (a device call is capped at 10 minutes) goes on where it stopped when resumed;
     the schedule is the run's, so the result equals an uninterrupted run's."""
     started = time.perf_counter()
-    model_config(s)                          # a bad --config-overrides fails before anything is written
+    raw_cfg = model_config(s)                # a bad --config-overrides fails before anything is written
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     settings_path = run / "settings.json"
@@ -192,7 +192,7 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
         raise MoeboxError(f"{run}: was started with other settings ({settings_path}); use a new --run-dir or "
                           f"the same flags")
     settings_path.write_text(json.dumps(asdict(s), indent=2) + "\n")
-    raw_cfg, tok, docs = _prepare(run, s, progress)
+    raw_cfg, tok, docs = _prepare(run, s, raw_cfg, progress)
     cfg = parse_config(raw_cfg, source=str(run / "config.json"))
     params = init_params(cfg, seed=s.seed, device=device)
     learned = {n: p for n, p in params.items() if isinstance(p, torch.nn.Parameter)}

@@ -84,7 +84,7 @@ import torch
 
 from moebox.ops.fuse import eager
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cubin_dump, graph_us, interpreting,  # noqa: F401
-                                       kernel_or_fallback, next_pow2, pdl_enabled, pdl_options, pdl_start, plain_tensor,
+                                       kernel_or_fallback, next_pow2, pdl_args, pdl_start, plain_tensor,
                                        tl, triton)
 
 __all__ = ["CompressConfig", "pick_config", "supported", "compress_step_triton", "compress_step_reference",
@@ -465,7 +465,7 @@ def compress_step_triton(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor
         D=d, D_PAD=dp, R=ratio, OVERLAP=bool(overlap), HALF_RD=inv_freq.numel(), NOPE=int(nope_dim) if finish == "kv"
         else 0, FINISH=_FINISH[finish], LOG2D=max(0, d.bit_length() - 1) if finish == "index" else 0,
         BR=cfg.block_rows, B_PAD=_batch_pad(b), VB=cfg.vis_block, PRECISE=kv.device.type == "cuda",
-        PDL=(pdl := pdl_enabled(kv)), num_warps=cfg.num_warps, **kwargs, **pdl_options(pdl))
+        num_warps=cfg.num_warps, **kwargs, **pdl_args(kv))
     return out
 
 

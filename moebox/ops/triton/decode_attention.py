@@ -82,7 +82,7 @@ from typing import Sequence
 import torch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, cubin_dump, graph_us, interpreting,  # noqa: F401
-                                       kernel_or_fallback, next_pow2, num_sms, pdl_enabled, pdl_options, pdl_start,
+                                       kernel_or_fallback, next_pow2, num_sms, pdl_args, pdl_start,
                                        plain_tensor, rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
@@ -355,20 +355,21 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         po = torch.empty((b, cfg.split, nh, d), dtype=torch.float32, device=q.device)
         pm = torch.empty((b, cfg.split, nh), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
+    pdl = pdl_args(q)
     _attend_kernel[(b, cfg.split, cdiv(nh, hb))](
         q, ring, slot, wvis, ent, rws, vmask, sink, out, po, pm, pl,
         nh, r, ke, nw, nw + ne, tps, cfg.split, float(scale),
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
         out.stride(0), out.stride(1),
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
-        SPLIT_P=q.dtype != torch.float32, FINAL=final, PDL=(pdl := pdl_enabled(q)), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(pdl))
+        SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl)
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
         cbd = min(next_pow2(cfg.combine_block_d), d_pad)
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, out, nh, cfg.split, out.stride(0), out.stride(1),
-            D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), PDL=pdl, num_warps=4, **pdl_options(pdl))
+            D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), num_warps=4, **pdl)
     return out
 
 

@@ -135,7 +135,7 @@ import torch.nn.functional as F
 from moebox.weights.formats import QuantTensor
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, each_copy, graph_us, interpreting,  # noqa: F401
-                                       next_pow2, num_sms, pdl_enabled, pdl_options, pdl_start, tl, triton)
+                                       next_pow2, num_sms, pdl_args, pdl_start, tl, triton)
 
 BLOCK = 128  # the FP8 scale block, both dimensions; also the dot kernel's K step
 
@@ -503,13 +503,13 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch
         y = torch.empty((split, n, out_f), dtype=torch.float32, device=x.device)
         stride_yn, stride_yg, stride_ys = out_f, rows, n * out_f
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(out_f, cfg.block_o), split)
-    pdl = pdl_enabled(x)
+    pdl = pdl_args(x)
     if cfg.kernel == "gemv":
         _fp8_gemv_kernel[grid](
             x, data, scale, y, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0), stride_yn, stride_yg, stride_ys,
-            BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=1, **pdl_options(pdl))
+            BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=1, **pdl)
     else:
         if x.dtype == torch.float32:
             terms = 2
@@ -521,14 +521,14 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch
         _fp8_linear_kernel[grid](
             x, data, scale, y, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0), stride_yn, stride_yg, stride_ys,
-            BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=BLOCK, X_TERMS=terms, DOT_DTYPE=dot_dtype, PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl))
+            BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=BLOCK, X_TERMS=terms, DOT_DTYPE=dot_dtype,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
     if split > 1:
         # a sum block never straddles two groups: rows is a multiple of 128 when there are several
         sum_block = min(1024, triton.next_power_of_2(out_f) if rows == out_f else rows & -rows)
         _split_sum_kernel[(n, triton.cdiv(out_f, sum_block))](
-            y, out, out_f, rows, stride_ys, out_strides[0], out_strides[1], SPLIT=split, BLOCK=sum_block, PDL=pdl,
-            num_warps=4, **pdl_options(pdl))
+            y, out, out_f, rows, stride_ys, out_strides[0], out_strides[1], SPLIT=split, BLOCK=sum_block,
+            num_warps=4, **pdl)
 
 
 def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,

@@ -58,7 +58,7 @@ import torch
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, graph_us, next_pow2,  # noqa: F401
-                                       num_sms, pdl_enabled, pdl_options, pdl_start, rel_err, tl, triton)
+                                       num_sms, pdl_args, pdl_start, rel_err, tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -275,8 +275,8 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tup
     fn = _rows(fn)
     _mix_logits_kernel[(cdiv(n, cfg.block_n), cfg.split)](
         X, fn, ws, n, k, m, per, cfg.split, X.stride(0), fn.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, PDL=(pdl := pdl_enabled(X)), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(pdl))
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_args(X))
     return ws, m_pad
 
 
@@ -292,7 +292,7 @@ def _mix(X: torch.Tensor, ws: torch.Tensor, m_pad: int, base: torch.Tensor, scal
         X, ws, _rows(base), _rows(scale), x, x if head else post, x if head else comb,
         hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), x.stride(0),
         HC=hc, HC_PAD=next_pow2(hc), M_PAD=m_pad, S_PAD=next_pow2(cfg.split), BLOCK_H=block_h, HEAD=head,
-        PDL=(pdl := pdl_enabled(X)), num_warps=cfg.mix_warps, **pdl_options(pdl))
+        num_warps=cfg.mix_warps, **pdl_args(X))
 
 
 def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
@@ -364,8 +364,7 @@ def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb:
     _post_kernel[(n, cdiv(hidden, block_h))](
         out, X, post, comb, y, hidden, out.stride(0), X.stride(0), y.stride(0),
         post.stride(0), post.stride(1), comb.stride(0), comb.stride(1), comb.stride(2),
-        HC=hc, HC_PAD=next_pow2(hc), BLOCK_H=block_h, PDL=(pdl := pdl_enabled(X)), num_warps=cfg.num_warps,
-        **pdl_options(pdl))
+        HC=hc, HC_PAD=next_pow2(hc), BLOCK_H=block_h, num_warps=cfg.num_warps, **pdl_args(X))
     return y
 
 

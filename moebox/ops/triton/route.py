@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, next_pow2, pdl_enabled, pdl_options, pdl_start,  # noqa: F401
+from moebox.ops.triton.runtime import (HAVE_TRITON, next_pow2, pdl_args, pdl_start,  # noqa: F401
                                        tl, triton)
 
 SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}   # softmax scores are not taken (the torch path routes them)
@@ -81,6 +81,6 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int,
         _route_kernel[(n,)](
             logits, logits if bias is None else bias, ids, w, e, logits.stride(0), float(scaling),
             K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(e), SCORING=SCORINGS[scoring_func],
-            HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), PDL=(pdl := pdl_enabled(logits)), num_warps=4,
-            **pdl_options(pdl))
+            HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), num_warps=4,
+            **pdl_args(logits))
     return ids, w

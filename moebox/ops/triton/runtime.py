@@ -52,9 +52,10 @@ def pdl_enabled(t: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
-def pdl_options(on: bool) -> dict[str, bool]:
-    """The launch keyword of a kernel started with `PDL=on` (nothing when off: the interpreter takes none)."""
-    return {"launch_pdl": True} if on else {}
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """The keywords of a kernel launch on t's device: the kernel's `PDL` flag (see `pdl_start`) and, when on,
+    Triton's `launch_pdl` (the interpreter takes no such keyword)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -155,5 +156,5 @@ else:
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
            "versions", "bench_start", "graph_us", "cubin_dump", "cdiv", "next_pow2", "plain_tensor", "rel_err",
-           "pdl_enabled", "pdl_options", "pdl_start"]
+           "pdl_enabled", "pdl_args", "pdl_start"]
 

@@ -93,8 +93,8 @@ import torch
 from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, pdl_enabled,  # noqa: F401
-                                       pdl_options, pdl_start, tl, triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, pdl_args,  # noqa: F401
+                                       pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -521,16 +521,17 @@ def _decode_fma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         x_arg, x_stride = xt, 16 * hw
     else:
         x_arg, x_stride = x, x.stride(0)
+    pdl = pdl_args(x)
     _gate_up_kernel[(pairs, inter // g_rows)](
         x_arg, ids, rw, w1c, w1s, w3c, w3s, h,
         x_stride, w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, HAS_LIMIT=has_limit, X_WORDS=cfg.transpose_x, ROWS=g_rows, WORDS=g_words,
-        PDL=(pdl := pdl_enabled(x)), num_warps=cfg.gate_warps, num_stages=cfg.num_stages, **pdl_options(pdl))
+        num_warps=cfg.gate_warps, num_stages=cfg.num_stages, **pdl)
     _down_kernel[(n, hidden // d_rows)](
         h, ids, w2c, w2s, out,
         out.stride(0), w2c.stride(0), w2s.stride(0),
-        H=hidden, IW=iw, K=k, ROWS=d_rows, WORDS=d_words, PDL=pdl,
-        num_warps=cfg.down_warps, num_stages=cfg.num_stages, **pdl_options(pdl))
+        H=hidden, IW=iw, K=k, ROWS=d_rows, WORDS=d_words,
+        num_warps=cfg.down_warps, num_stages=cfg.num_stages, **pdl)
 
 
 def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
@@ -545,22 +546,22 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
     use_asm = not interpreting()
     block = _pow2_block(1024, hidden)
-    pdl = pdl_enabled(x)
-    _pack_x_kernel[(n, hidden // block)](x, xp.view(torch.int16), x.stride(0), KW=hw, T=tx, BLOCK=block, PDL=pdl,
-                                         num_warps=4, **pdl_options(pdl))
+    pdl = pdl_args(x)
+    _pack_x_kernel[(n, hidden // block)](x, xp.view(torch.int16), x.stride(0), KW=hw, T=tx, BLOCK=block,
+                                         num_warps=4, **pdl)
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
     _gate_up_mma_kernel[(pairs, iw)](
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm, PDL=pdl,
-        num_warps=gate_split, num_stages=1, **pdl_options(pdl))
+        USE_ASM=use_asm,
+        num_warps=gate_split, num_stages=1, **pdl)
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, PDL=pdl,
-        num_warps=down_split, num_stages=1, **pdl_options(pdl))
+        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
+        num_warps=down_split, num_stages=1, **pdl)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
