@@ -38,8 +38,8 @@ def test_cuda_matches_cpu(tiny_ckpt, kv_cache_dtype):
 
 def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path):
     """Decode steps on CUDA take the shape-static DecodeBatch path (compiled attention pieces, the fused w2
-    Triton kernels); the CPU runs flat batches through the torch reference over the same planes. 40 decode
-    steps pass the window and several compressor windows."""
+    Triton kernels), and the 20-token prompt the w2 prefill kernels; the CPU runs flat batches through the torch
+    reference over the same planes. 40 decode steps pass the window and several compressor windows."""
     from moebox.model.batch import DecodeBatch
     ids = torch.randint(2, 320, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []

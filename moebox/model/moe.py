@@ -1,8 +1,9 @@
 """The MoE feed-forward of every DeepSeek-V4 block: routed experts (hash or scored routing) + shared expert.
 
-Routed experts run through the torch reference (`ops.moe.routed_experts`), except for a decode batch of w2
-experts on CUDA, which takes the fused Triton kernels over the plane store's layer buffer (zero-copy views);
-a decode batch on CUDA also routes in one Triton kernel."""
+Routed experts run through the torch reference (`ops.moe.routed_experts`), except for w2 experts on CUDA, which
+take Triton kernels over the plane store's layer buffer (zero-copy views): the fused decode kernels for a few
+tokens, the grouped prefill GEMM for more (MOEBOX_W2_PREFILL_KERNEL=0 keeps the reference there). A decode
+batch on CUDA also routes in one Triton kernel."""
 
 from __future__ import annotations
 
@@ -64,11 +65,18 @@ class MoE:
         idx, w = self.route(x, tokens)
         if self.on_route is not None:
             self.on_route(idx)
-        if self.layer_planes is not None and x.is_cuda and x.shape[0] <= DECODE_TOKENS:
-            from moebox.ops.triton.w2_moe import layer_views, w2_moe_decode_split
-            views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
+        reference = lambda: routed_experts(x, idx, w, self.experts.__getitem__, cfg.swiglu_limit)  # noqa: E731
+        if self.layer_planes is None or not x.is_cuda:
+            return reference()
+        from moebox.ops.triton.w2_moe import layer_views, w2_moe_decode_split
+        views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
+        if x.shape[0] <= DECODE_TOKENS:
             return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit)
-        return routed_experts(x, idx, w, self.experts.__getitem__, cfg.swiglu_limit)
+        if not kernel_switched_on(x, "MOEBOX_W2_PREFILL_KERNEL"):
+            return reference()
+        from moebox.ops.triton.w2_moe_prefill import w2_moe_prefill_split
+        return kernel_or_fallback("w2 prefill", "MOEBOX_W2_PREFILL_KERNEL",
+                                  lambda: w2_moe_prefill_split(x, idx, w, *views, cfg.swiglu_limit), reference)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.shared_in(x)

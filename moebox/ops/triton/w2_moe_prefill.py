@@ -1,0 +1,255 @@
+"""Routed experts from w2 planes on the GPU, prefill path (many tokens): a grouped GEMM over the (token, expert)
+pairs sorted by expert, with the planes dequantized in registers.
+
+Why: the torch reference dequantizes every hit expert's three matrices to fp32 on each call. A 2048-token chunk
+hits all 256 experts of a V4-Flash layer, so that is 6.4 G weights written and read again per layer: the prefill
+bench took 12 s for a 2048-token prompt (171 tok/s, docs/benchmarks.md, seventh session). Here each weight is
+read once per block of up to BLOCK_M pairs of its expert and never leaves registers as anything wider than the
+dot's operand.
+
+Semantics: those of `moebox.ops.moe.routed_experts` (gate/up, clamp, SiLU, the routing weight applied to h, down,
+sum over the k experts); `w2_moe_decode_reference` is that torch code over the same planes.
+
+Steps (no host sync, so it also runs inside a CUDA graph):
+1. `align_pairs` (torch): the N*k pairs (p = t*k + j) sorted by expert, each expert's run padded with a
+   sentinel (N*k) to a multiple of BLOCK_M, and the expert of every block of BLOCK_M slots (E past the end: the
+   block's programs exit at once). The grid is the bound min(N*k, cdiv(N*k + E*(BLOCK_M-1), BLOCK_M)) blocks.
+2. `_gate_up_kernel`, grid (blocks, I / BLOCK_N): A = the x rows of the block's pairs [BLOCK_M, BLOCK_K], B = the
+   w1 and w3 tiles [BLOCK_K, BLOCK_N] dequantized in registers, two tl.dot into fp32; epilogue: clamp, SiLU, the
+   product and the routing weight -> h [blocks * BLOCK_M, I] in the dot's dtype.
+3. `_down_kernel`, grid (blocks, H / BLOCK_N): A = the block's h rows, B = w2 tiles -> y [N*k, H] fp32, each
+   pair's row written once (padding rows are not stored).
+4. out = y.view(N, k, H).sum(1): a fixed order, so results are deterministic.
+
+Dequant: a code byte holds 4 columns (bits 2c..2c+1 = column 4j + c) and levels are +-1, +-4 times 2^(s-127), a
+power of two: its fp32 bits are built directly, sign << 31 | (s + 2 * big) << 23, then cast to the dot dtype.
+Dot dtype: x's for bf16/fp16 (the weights are exact there: powers of two within range), fp32 ("ieee") for fp32 x,
+which is also what Triton's interpreter runs (its bf16 dot is broken). h is rounded to the dot dtype, so bf16
+results differ from the fp32 reference by ~bf16 rounding; fp32 agrees to fp32 rounding.
+
+Layout: the planes as `w2_moe_decode_split` takes them (stacked tensors or zero-copy plane-store layer views),
+H and I multiples of BLOCK_K (64, or 32 when they are not).
+`python -m moebox.ops.triton.w2_moe_prefill` times it at the V4-Flash expert shapes against a bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from moebox.ops.triton.runtime import HAVE_TRITON, bench_start, cdiv, pdl_args, pdl_start, tl, triton
+from moebox.ops.triton.w2_moe import _check_planes, _u8, random_planes, random_routing, w2_moe_decode_reference
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """BLOCK_M pairs x BLOCK_N output columns per program, BLOCK_K inputs per step (0: 64 where the shapes
+    allow, else 32)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_CONFIG = PrefillConfig()
+
+
+def align_pairs(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_ids [N, k] -> (slots int32 [blocks * block_m]: the pair id in each slot, N*k for padding;
+    block_expert int32 [blocks]: each block's expert, num_experts past the last used block)."""
+    flat = expert_ids.reshape(-1).long()
+    n_pairs, dev = flat.numel(), flat.device
+    blocks = min(n_pairs, cdiv(n_pairs + num_experts * (block_m - 1), block_m))
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    sorted_e = flat[order]
+    dest = (pad_end - padded)[sorted_e] + torch.arange(n_pairs, device=dev) - start[sorted_e]
+    slots = torch.full((blocks * block_m,), n_pairs, dtype=torch.int32, device=dev)
+    slots.scatter_(0, dest, order.to(torch.int32))
+    first_slot = torch.arange(blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, first_slot, right=True).to(torch.int32)
+    return slots, block_expert
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+if HAVE_TRITON:
+    @triton.jit
+    def _w_tile(c_ptr, s_ptr, e, rows, row_ok, k0, c_es, s_es, KC: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, DT: tl.constexpr):
+        """W[rows, k0:k0+BLOCK_K]^T of expert e dequantized: [BLOCK_K, BLOCK_N] in DT (KC: W's input dim)."""
+        j = tl.arange(0, BLOCK_K // 4)
+        cb = tl.load(c_ptr + e * c_es + rows[None, :] * (KC // 4) + (k0 // 4 + j)[:, None],
+                     mask=row_ok[None, :], other=0).to(tl.int32)                       # [BK/4, BN]
+        shift = 2 * tl.arange(0, 4)
+        c = tl.reshape((cb[:, None, :] >> shift[None, :, None]) & 3, (BLOCK_K, BLOCK_N))  # row 4j + c
+        b = tl.arange(0, BLOCK_K // 32)
+        sb = tl.load(s_ptr + e * s_es + rows[None, :] * (KC // 32) + (k0 // 32 + b)[:, None],
+                     mask=row_ok[None, :], other=0).to(tl.int32)                       # [BK/32, BN]
+        s = tl.reshape(tl.broadcast_to(sb[:, None, :], (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        neg = 1 - (c >> 1)                       # codes 0, 1
+        big = 1 - ((c ^ (c >> 1)) & 1)           # codes 0, 3: |level| = 4 = 2^2
+        w = ((neg << 31) | ((s + 2 * big) << 23)).to(tl.float32, bitcast=True)
+        return w.to(DT)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, slots_ptr, bexp_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, h_ptr,
+                        n_pairs, n_experts, stride_x, c_es, s_es, limit,
+                        H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        blk = tl.program_id(0)
+        e = tl.load(bexp_ptr + blk)
+        if e >= n_experts:
+            return
+        e = e.to(tl.int64)
+        slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(slots_ptr + slot)
+        valid = pair < n_pairs
+        tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < I
+        rows_c = tl.minimum(rows, I - 1).to(tl.int64)
+        kk = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+            a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
+            a = a.to(DT)
+            w1 = _w_tile(w1c_ptr, w1s_ptr, e, rows_c, row_ok, k0, c_es, s_es, H, BLOCK_K, BLOCK_N, DT)
+            acc_g = tl.dot(a, w1, acc_g, input_precision=PRECISION)
+            w3 = _w_tile(w3c_ptr, w3s_ptr, e, rows_c, row_ok, k0, c_es, s_es, H, BLOCK_K, BLOCK_N, DT)
+            acc_u = tl.dot(a, w3, acc_u, input_precision=PRECISION)
+        if HAS_LIMIT:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
+        tl.store(h_ptr + slot.to(tl.int64)[:, None] * I + rows[None, :], h.to(DT), mask=row_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, slots_ptr, bexp_ptr, w2c_ptr, w2s_ptr, y_ptr, n_pairs, n_experts, c_es, s_es,
+                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                     PDL: tl.constexpr):
+        pdl_start(PDL)
+        blk = tl.program_id(0)
+        e = tl.load(bexp_ptr + blk)
+        if e >= n_experts:
+            return
+        e = e.to(tl.int64)
+        slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(slots_ptr + slot)
+        valid = pair < n_pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        cols_c = tl.minimum(cols, H - 1).to(tl.int64)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+            a = tl.load(h_ptr + slot.to(tl.int64)[:, None] * I + (k0 + kk)[None, :])
+            w2 = _w_tile(w2c_ptr, w2s_ptr, e, cols_c, col_ok, k0, c_es, s_es, I, BLOCK_K, BLOCK_N, DT)
+            acc = tl.dot(a, w2, acc, input_precision=PRECISION)
+        dst = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * H + cols[None, :]
+        tl.store(dst, acc, mask=valid[:, None] & col_ok[None, :])
+
+
+_DOT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                         w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
+                         w3_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
+                         limit: float | None, *, config: PrefillConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [N, H] bf16/fp16/fp32, expert_ids [N, k], weights [N, k] -> [N, H] in x's dtype. Planes as
+    `w2_moe_decode_split` takes them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    if x.dtype not in _DOT_DTYPES:
+        raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
+    n, hidden = x.shape
+    k = expert_ids.shape[-1]
+    n_experts, inter = w1_codes.shape[0], w1_codes.shape[1]
+    block_k = config.block_k or (64 if hidden % 64 == 0 and inter % 64 == 0 else 32)
+    if hidden % block_k or inter % block_k:
+        raise ValueError(f"hidden ({hidden}) and intermediate ({inter}) must be multiples of {block_k}")
+    _check_planes(w1_codes, w1_scales, inter, hidden, "w1")
+    _check_planes(w3_codes, w3_scales, inter, hidden, "w3")
+    _check_planes(w2_codes, w2_scales, hidden, inter, "w2")
+    if w1_codes.stride() != w3_codes.stride() or w1_scales.stride() != w3_scales.stride():
+        raise ValueError("w1 and w3 must share their strides")
+    if n == 0:
+        return torch.empty_like(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    bm, bn = config.block_m, config.block_n
+    slots, block_expert = align_pairs(expert_ids, n_experts, bm)
+    blocks = block_expert.numel()
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    dt = _tl_dtype(x.dtype)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"   # only fp32 operands read it
+    h = torch.empty((blocks * bm, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((n * k, hidden), dtype=torch.float32, device=x.device)
+    w1c, w3c, w2c = (_u8(c) for c in (w1_codes, w3_codes, w2_codes))
+    w1s, w3s, w2s = (_u8(s) for s in (w1_scales, w3_scales, w2_scales))
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, DT=dt, PRECISION=precision, STAGES=config.num_stages,
+                  num_warps=config.num_warps, **pdl_args(x))
+    _gate_up_kernel[(blocks, cdiv(inter, bn))](
+        x, slots, block_expert, rw, w1c, w1s, w3c, w3s, h, n * k, n_experts, x.stride(0),
+        w1c.stride(0), w1s.stride(0), float(limit or 0.0), H=hidden, I=inter, TOP_K=k,
+        HAS_LIMIT=bool(limit), **common)
+    _down_kernel[(blocks, cdiv(hidden, bn))](
+        h, slots, block_expert, w2c, w2s, y, n * k, n_experts, w2c.stride(0), w2s.stride(0),
+        H=hidden, I=inter, **common)
+    return y.view(n, k, hidden).sum(dim=1).to(x.dtype)
+
+
+def w2_moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w13_codes: torch.Tensor,
+                   w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
+                   limit: float | None, *, config: PrefillConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """The Triton path on stacked planes (w13 = w1 rows then w3 rows, as `w2_moe_decode_triton` takes them)."""
+    inter = w13_codes.shape[1] // 2
+    return w2_moe_prefill_split(x, expert_ids, weights, w13_codes[:, :inter], w13_scales[:, :inter],
+                                w13_codes[:, inter:], w13_scales[:, inter:], w2_codes, w2_scales, limit,
+                                config=config)
+
+
+# ----------------------------------------------------------------------------------------------- bench
+def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter: int = 2048, experts: int = 256,
+          k: int = 6) -> None:
+    """Time the prefill kernels at the V4-Flash expert shapes (random planes and routing, bf16 x) and compare
+    their rate with a bf16 matmul of the same FLOPs; check one case against the reference."""
+    bench_start()
+    planes = random_planes(experts, hidden, inter, device="cuda")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = triton.testing.do_bench(lambda: a @ a, warmup=5, rep=50)
+    mm_rate = 2 * 8192 ** 3 / (mm_ms * 1e-3)
+    print(f"bf16 matmul 8192^3: {mm_rate / 1e12:.0f} TFLOP/s")
+    for n in tokens:
+        ids, w = random_routing(n, experts, k, device="cuda", seed=n)
+        x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+        ms = triton.testing.do_bench(lambda: w2_moe_prefill(x, ids, w, *planes, 10.0), warmup=3, rep=30)
+        flops = 2 * 3 * n * k * hidden * inter
+        print(f"N={n:5d} k={k}: {ms:8.3f} ms  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s "
+              f"({flops / (ms * 1e-3) / mm_rate:.1%} of bf16 matmul), {n / (ms * 1e-3):,.0f} tok/s a layer")
+    n = 64
+    ids, w = random_routing(n, experts, k, device="cuda", seed=1)
+    x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+    ref = w2_moe_decode_reference(x.float(), ids, w, *planes, 10.0)
+    y = w2_moe_prefill(x, ids, w, *planes, 10.0)
+    print(f"N={n} vs the fp32 reference: rel err {float((y.float() - ref).norm() / ref.norm()):.2e}")
+
+
+if __name__ == "__main__":
+    argparse.ArgumentParser(description="w2 routed-expert prefill kernels: time and check").parse_args()
+    bench()
