@@ -19,7 +19,7 @@ from moebox.config import CSA, SLIDING, ModelConfig
 from moebox.model.batch import DecodeBatch, FlatBatch, Segment
 from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
 from moebox.model.decode_attention import attend, compress_step, index_select, window_mask, window_step
-from moebox.ops.attention import local_sink_attention, sink_attention
+from moebox.ops.attention import local_sink_attention, sink_attention, tf32_products
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
@@ -239,7 +239,8 @@ class Attention:
         windows, new = self.indexer.entries_for(seg, ikv[seg.rows], igate[seg.rows], cache and cache.index_raw_kv,
                                                 cache and cache.index_raw_gate, qi.dtype)
         keys = _visible_entries(cache and cache.index_keys, seg.slot, windows, new, n_vis)
-        scores = torch.relu(torch.einsum("lhd,kd->lhk", qi[seg.rows].float(), keys.float()))
+        with tf32_products(qi):
+            scores = torch.relu(torch.einsum("lhd,kd->lhk", qi[seg.rows].float(), keys.float()))
         scores = (scores * (wi[seg.rows].float() * self.index_scale).unsqueeze(-1)).sum(dim=1)
         scores = scores.masked_fill(~valid, float("-inf"))
         k = min(self.cfg.index_topk, n_vis)
