@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (MOEBOX_PDL=1): a kernel launched early must wait for its predecessor before it
-reads anything, or it races with it. Checked on the sources of every kernel, and in the sm_90 build of one."""
+"""Programmatic dependent launch (on by default, MOEBOX_PDL=0 turns it off): a kernel launched early must wait
+for its predecessor before it reads anything, or it races with it. Checked on the sources of every kernel, and
+in the sm_90 build of one."""
 
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ def test_every_launched_kernel_waits_for_its_predecessor_first():
             f"{name}: launched without **pdl_args(...) (its PDL flag and launch option)"
 
 
-def test_pdl_is_off_unless_asked(monkeypatch):
+def test_pdl_is_on_unless_switched_off_and_never_for_cpu_tensors(monkeypatch):
+    from moebox.ops.triton.runtime import pdl_switched_on
     monkeypatch.delenv("MOEBOX_PDL", raising=False)
-    assert not pdl_enabled(torch.zeros(1))
-    monkeypatch.setenv("MOEBOX_PDL", "1")
+    assert pdl_switched_on()
     assert not pdl_enabled(torch.zeros(1))          # CPU tensors: never
+    monkeypatch.setenv("MOEBOX_PDL", "0")
+    assert not pdl_switched_on()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

@@ -41,14 +41,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def pdl_switched_on() -> bool:
+    """Programmatic dependent launch, unless MOEBOX_PDL=0: on by default since the seventh session's decode
+    bench (with inductor's kernels also launched so, batch 1 went from 9.15 to 8.94 ms and batch 16 from 32.77
+    to 30.50 ms on the H200; docs/benchmarks.md)."""
+    return os.environ.get("MOEBOX_PDL", "1") != "0"
+
+
 def pdl_enabled(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device launch with programmatic dependent launch (Hopper+, MOEBOX_PDL=1).
+    """Whether kernels on t's device launch with programmatic dependent launch (Hopper+, see `pdl_switched_on`).
 
     A decode step is a chain of ~2 000 small dependent kernels, each a few microseconds (docs/benchmarks.md,
     sixth session). With PDL a kernel lets the next one launch as soon as all its programs have started, and
     the next one's programs wait in `pdl_start` until it has finished and its writes are visible: the launch
-    and scheduling of a kernel overlap its predecessor. Off by default until the decode bench shows the gain."""
-    return (HAVE_TRITON and t.is_cuda and os.environ.get("MOEBOX_PDL", "0") == "1"
+    and scheduling of a kernel overlap its predecessor."""
+    return (HAVE_TRITON and t.is_cuda and pdl_switched_on()
             and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
@@ -156,5 +163,5 @@ else:
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
            "versions", "bench_start", "graph_us", "cubin_dump", "cdiv", "next_pow2", "plain_tensor", "rel_err",
-           "pdl_enabled", "pdl_args", "pdl_start"]
+           "pdl_switched_on", "pdl_enabled", "pdl_args", "pdl_start"]
 
