@@ -260,19 +260,15 @@ def breakdown(model: DeepseekV4, batch: DecodeBatch, cache, steps: int = 10) -> 
             for name, items in recorders.items()}
 
 
-def kernel_profile(model: DeepseekV4, batch_size: int, context: int, steps: int, use_graphs: bool,
-                   top: int) -> tuple[list[list[str]], float]:
-    """The `top` kernels of one decode step by device time (CPU ops on the CPU), from torch.profiler over
-    `steps` steps (CUDA-graph replays when `use_graphs`): rows of name, launches per step, us per step, share of
-    the profiled time; and the profiled time per step in seconds. Where a step's time goes, kernel by kernel:
-    the breakdown above says which component, this says which launches."""
+def profile_kernels(step: Callable[[], object], device: torch.device, steps: int,
+                    top: int) -> tuple[list[list[str]], float]:
+    """The `top` kernels of `step` by device time (CPU ops on the CPU), from torch.profiler over `steps` calls
+    after two unprofiled ones (compilation, capture): rows of name, launches per call, us per call, share of the
+    profiled time; and the profiled time per call in seconds. Where a step's time goes, kernel by kernel: the
+    breakdown says which component, this says which launches."""
     from torch.profiler import ProfilerActivity, profile
-    cfg, device = model.cfg, model.embed.device
     cuda = device.type == "cuda"
-    cache = model.new_cache(batch_size + 1, context + 1, device)
-    graphs = DecodeGraphs(model, cache, batch_size, [batch_size]) if use_graphs else None
-    step = _step_call(model, _step_batch(cfg, batch_size, context, device), cache, graphs)
-    _timed(step, device, 2)                                   # warm-up (compilation, capture) outside the profile
+    _timed(step, device, 1)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             step()
@@ -286,6 +282,16 @@ def kernel_profile(model: DeepseekV4, batch_size: int, context: int, steps: int,
     rows = [[e.key[:80], f"{e.count / steps:g}", f"{getattr(e, attr) / steps:.1f}",
              f"{getattr(e, attr) / steps / total:.1%}"] for e in events[:top]]
     return rows, total * 1e-6
+
+
+def kernel_profile(model: DeepseekV4, batch_size: int, context: int, steps: int, use_graphs: bool,
+                   top: int) -> tuple[list[list[str]], float]:
+    """`profile_kernels` of one decode step (CUDA-graph replays when `use_graphs`)."""
+    cfg, device = model.cfg, model.embed.device
+    cache = model.new_cache(batch_size + 1, context + 1, device)
+    graphs = DecodeGraphs(model, cache, batch_size, [batch_size]) if use_graphs else None
+    step = _step_call(model, _step_batch(cfg, batch_size, context, device), cache, graphs)
+    return profile_kernels(step, device, steps, top)
 
 
 # ----------------------------------------------------------------------------------------- prefill
@@ -318,17 +324,24 @@ def active_matmul_params(cfg: ModelConfig, weights: dict[str, object]) -> int:
     return n + cfg.num_layers * cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def _prefill_call(model: DeepseekV4, n: int, chunk: int) -> Callable[[], None]:
+    """A prompt of n random tokens prefilled in chunks of `chunk` into a fresh one-slot cache."""
+    cfg, device = model.cfg, model.embed.device
+    cache = model.new_cache(1, n, device)
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+    def run() -> None:
+        for start in range(0, n, chunk):
+            model.forward(FlatBatch.build([(0, start, ids[start:start + chunk])], device), cache)
+    return run
+
+
 def bench_prefill(model: DeepseekV4, matmul_params: int, prompts: Sequence[int], chunk: int,
                   rate: float) -> list[PrefillRow]:
-    cfg, device = model.cfg, model.embed.device
+    device = model.embed.device
     rows = []
     for n in prompts:
-        cache = model.new_cache(1, n, device)
-        ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-
-        def run() -> None:
-            for start in range(0, n, chunk):
-                model.forward(FlatBatch.build([(0, start, ids[start:start + chunk])], device), cache)
+        run = _prefill_call(model, n, chunk)
 
         seconds = _timed(run, device, 1)
         rows.append(PrefillRow(n, seconds, 2.0 * matmul_params * n, rate))
@@ -357,8 +370,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="time eager steps instead of CUDA graphs")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-component breakdown")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
-                   help="also profile the decode step at the first batch size and context: its N costliest "
-                        "kernels (CPU ops on the CPU)")
+                   help="also profile the decode step at the first batch size and context (prefill: the first "
+                        "prompt's first chunk): its N costliest kernels (CPU ops on the CPU)")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="also time speculative verify steps (K drafts + 1 token per sequence) at the first context")
     spec.configure(p.add_argument_group("spec"))
@@ -390,6 +403,11 @@ def run(args: argparse.Namespace) -> int:
             rate = matmul_rate(device) if device.type == "cuda" else 1e11
             rows = bench_prefill(model, matmul_params, args.prompt, args.chunk, rate)
             print(table(PREFILL_HEADER, [r.cells() for r in rows]))
+            if args.kernels:
+                n = min(args.prompt[0], args.chunk)
+                rows_k, total = profile_kernels(_prefill_call(model, n, args.chunk), device, 1, args.kernels)
+                print(f"\nkernels of a {n}-token prefill ({total * 1e3:.1f} ms profiled):")
+                print(table(["kernel", "calls", "us", "of profiled"], rows_k))
     return 0
 
 
