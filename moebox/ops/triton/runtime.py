@@ -42,9 +42,10 @@ def interpreting() -> bool:
 
 
 def pdl_switched_on() -> bool:
-    """Programmatic dependent launch, unless MOEBOX_PDL=0: on by default since the seventh session's decode
-    bench (with inductor's kernels also launched so, batch 1 went from 9.15 to 8.94 ms and batch 16 from 32.77
-    to 30.50 ms on the H200; docs/benchmarks.md)."""
+    """Programmatic dependent launch, unless MOEBOX_PDL=0. On by default since the seventh session's decode
+    benches on the H200, with inductor's kernels also launched so: batch 1 9.15 -> 8.94 ms and 9.23 -> 9.08 ms
+    in two runs; batch 16 32.77 -> 30.50 ms in one and 30.38 -> 30.69 ms in the other (docs/benchmarks.md).
+    A small gain at batch 1, none shown at batch 16."""
     return os.environ.get("MOEBOX_PDL", "1") != "0"
 
 
