@@ -2,9 +2,11 @@
 # The GPU checks of issues D, E and G, in phases that each fit one device call (<= 10 min on an H200); the
 # numbers in docs/benchmarks.md come from these exact commands. Run from the repo root:
 #   bash bench/gpu_session.sh tests     # GPU tests of every kernel and of the model (no stop at a failure)
-#   bash bench/gpu_session.sh kernels   # the kernel benches (attention, compressor step, grouped FP8, w2 experts)
+#   bash bench/gpu_session.sh kernels   # the kernel benches (attention, compressor step, grouped FP8, w2 experts
+#                                       # at decode, and their prefill GEMM's tilings)
 #   bash bench/gpu_session.sh decode    # the full-size decode bench (4K, 64K, verify cost, the costliest kernels
-#                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts)
+#                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts, the
+#                                       # costliest kernels of a 2K chunk)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
@@ -34,21 +36,22 @@ step() {                      # step NAME CMD...: run, log everything, print a o
 case $phase in
 tests)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$log" 2>&1
-    # kernels first (route and PDL have never run on a GPU), the model last; a hang leaves the log so far
+    # kernels first, the model last; a hang leaves the log so far
     step gpu-tests timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
         tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
-        tests/test_triton_w2.py tests/test_triton_mhc.py tests/test_triton_route.py tests/test_triton_pdl.py \
-        tests/test_cuda.py
+        tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
+        tests/test_triton_pdl.py tests/test_cuda.py
     ;;
 kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
     step compress-kernel python3 -m moebox.ops.triton.compress_decode
     step fp8-grouped python3 -m moebox.ops.triton.fp8_linear --grouped
     step w2-experts python3 -m moebox.ops.triton.w2_moe
+    step w2-prefill python3 -m moebox.ops.triton.w2_moe_prefill --sweep
     ;;
 decode)
     step decode python3 -m moebox.bench.decode decode --context 4096 65536 --verify 2 --kernels 40
-    step prefill python3 -m moebox.bench.decode prefill
+    step prefill python3 -m moebox.bench.decode prefill --kernels 25
     ;;
 ab)                           # AB="..." picks the switches (default: each part of the fast path off)
     for switch in ${AB:-MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do

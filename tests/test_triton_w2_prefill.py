@@ -4,7 +4,8 @@
   read at import) on tiny shapes, fp32 and fp16 x, with and without the clamp, stacked planes and plane-store
   layer views.
 - GPU (marker `gpu`, skipped without CUDA): the V4-Flash expert shapes (H=4096, I=2048, E=256, k=6) at 17, 300
-  and 2048 tokens in bf16 and a small shape in fp32 / fp16, every scratch buffer poisoned with NaN first.
+  and 2048 tokens in bf16, a small shape in fp32 / fp16, every tiling of the bench's sweep; every scratch buffer
+  poisoned with NaN first.
   The model-level check is tests/test_cuda.py (a 20-token w2 prompt on CUDA vs the CPU).
 """
 
@@ -155,3 +156,20 @@ def test_gpu_prefill_small_shape_fp32_fp16_no_limit(dtype: torch.dtype, tol: flo
     torch.cuda.synchronize()
     assert torch.isfinite(y).all()
     assert float((y.float() - ref).norm() / ref.norm()) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_every_sweep_tiling_matches_reference() -> None:
+    from moebox.ops.triton.w2_moe_prefill import SWEEP, w2_moe_prefill
+    hidden, inter, experts, k, n = 1024, 512, 16, 4, 200
+    planes = random_planes(experts, hidden, inter, device="cuda", seed=4, scale_byte=(120, 124))
+    ids, w = random_routing(n, experts, k, device="cuda", seed=4)
+    x = torch.randn(n, hidden, device="cuda").to(torch.bfloat16)
+    ref = w2_moe_decode_reference(x.float(), ids, w, *planes, 3.0)
+    for cfg in SWEEP:
+        _poison_allocator(256 << 20)
+        y = w2_moe_prefill(x, ids, w, *planes, 3.0, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all(), cfg
+        assert float((y.float() - ref).norm() / ref.norm()) < 1e-2, cfg

@@ -225,31 +225,40 @@ def w2_moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------- bench
+SWEEP = [PrefillConfig(), PrefillConfig(block_m=128), PrefillConfig(block_n=64), PrefillConfig(block_n=256),
+         PrefillConfig(block_k=32), PrefillConfig(block_k=128), PrefillConfig(num_warps=8),
+         PrefillConfig(block_m=128, num_warps=8), PrefillConfig(block_m=128, block_n=256, num_warps=8),
+         PrefillConfig(num_stages=2), PrefillConfig(num_stages=4), PrefillConfig(block_m=32)]
+
+
 def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter: int = 2048, experts: int = 256,
-          k: int = 6) -> None:
+          k: int = 6, sweep: bool = False) -> None:
     """Time the prefill kernels at the V4-Flash expert shapes (random planes and routing, bf16 x) and compare
-    their rate with a bf16 matmul of the same FLOPs; check one case against the reference."""
+    their rate with a bf16 matmul of the same FLOPs; `sweep`: every tiling of SWEEP, each checked against the
+    fp32 reference at 64 tokens before it is timed."""
     bench_start()
     planes = random_planes(experts, hidden, inter, device="cuda")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = triton.testing.do_bench(lambda: a @ a, warmup=5, rep=50)
     mm_rate = 2 * 8192 ** 3 / (mm_ms * 1e-3)
     print(f"bf16 matmul 8192^3: {mm_rate / 1e12:.0f} TFLOP/s")
-    for n in tokens:
-        ids, w = random_routing(n, experts, k, device="cuda", seed=n)
-        x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
-        ms = triton.testing.do_bench(lambda: w2_moe_prefill(x, ids, w, *planes, 10.0), warmup=3, rep=30)
-        flops = 2 * 3 * n * k * hidden * inter
-        print(f"N={n:5d} k={k}: {ms:8.3f} ms  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s "
-              f"({flops / (ms * 1e-3) / mm_rate:.1%} of bf16 matmul), {n / (ms * 1e-3):,.0f} tok/s a layer")
-    n = 64
-    ids, w = random_routing(n, experts, k, device="cuda", seed=1)
-    x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+    ids, w = random_routing(64, experts, k, device="cuda", seed=1)
+    x = torch.randn(64, hidden, device="cuda", dtype=torch.bfloat16)
     ref = w2_moe_decode_reference(x.float(), ids, w, *planes, 10.0)
-    y = w2_moe_prefill(x, ids, w, *planes, 10.0)
-    print(f"N={n} vs the fp32 reference: rel err {float((y.float() - ref).norm() / ref.norm()):.2e}")
+    for cfg in SWEEP if sweep else [DEFAULT_CONFIG]:
+        y = w2_moe_prefill(x, ids, w, *planes, 10.0, config=cfg)
+        print(f"{cfg}: rel err vs the fp32 reference at 64 tokens {float((y.float() - ref).norm() / ref.norm()):.2e}")
+        for n in tokens:
+            ids_n, w_n = random_routing(n, experts, k, device="cuda", seed=n)
+            x_n = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+            ms = triton.testing.do_bench(lambda: w2_moe_prefill(x_n, ids_n, w_n, *planes, 10.0, config=cfg),
+                                         warmup=3, rep=30)
+            rate = 2 * 3 * n * k * hidden * inter / (ms * 1e-3)
+            print(f"  N={n:5d} k={k}: {ms:8.3f} ms  {rate / 1e12:6.1f} TFLOP/s ({rate / mm_rate:.1%} of bf16 "
+                  f"matmul), {n / (ms * 1e-3):,.0f} tok/s a layer")
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description="w2 routed-expert prefill kernels: time and check").parse_args()
-    bench()
+    p = argparse.ArgumentParser(description="w2 routed-expert prefill kernels: time and check")
+    p.add_argument("--sweep", action="store_true", help="time every tiling of SWEEP")
+    bench(sweep=p.parse_args().sweep)
