@@ -225,10 +225,10 @@ def w2_moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------- bench
-SWEEP = [PrefillConfig(), PrefillConfig(block_m=128), PrefillConfig(block_n=64), PrefillConfig(block_n=256),
-         PrefillConfig(block_k=32), PrefillConfig(block_k=128), PrefillConfig(num_warps=8),
-         PrefillConfig(block_m=128, num_warps=8), PrefillConfig(block_m=128, block_n=256, num_warps=8),
-         PrefillConfig(num_stages=2), PrefillConfig(num_stages=4), PrefillConfig(block_m=32)]
+SWEEP = [PrefillConfig(), PrefillConfig(block_m=128), PrefillConfig(block_n=64),
+         PrefillConfig(block_n=256, num_warps=8), PrefillConfig(block_k=32), PrefillConfig(block_k=128), PrefillConfig(num_warps=8),
+         PrefillConfig(block_m=128, num_warps=8), PrefillConfig(num_stages=2), PrefillConfig(num_stages=4),
+         PrefillConfig(block_m=32)]
 
 
 def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter: int = 2048, experts: int = 256,
