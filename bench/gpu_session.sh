@@ -6,7 +6,7 @@
 #                                       # at decode, and their prefill GEMM's tilings)
 #   bash bench/gpu_session.sh decode    # the full-size decode bench (4K, 64K, verify cost, the costliest kernels
 #                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts, the
-#                                       # costliest kernels of a 2K chunk)
+#                                       # costliest kernels of a 2K chunk), again with the prefill attention kernel
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
@@ -40,7 +40,7 @@ tests)
     step gpu-tests timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
         tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
-        tests/test_triton_pdl.py tests/test_cuda.py
+        tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_cuda.py
     ;;
 kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
@@ -52,6 +52,8 @@ kernels)
 decode)
     step decode python3 -m moebox.bench.decode decode --context 4096 65536 --verify 2 --kernels 40
     step prefill python3 -m moebox.bench.decode prefill --kernels 25
+    step prefill-attention-kernel env MOEBOX_PREFILL_ATTENTION_KERNEL=1 python3 -m moebox.bench.decode prefill \
+        --kernels 25
     ;;
 ab)                           # AB="..." picks the switches (default: each part of the fast path off)
     for switch in ${AB:-MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do

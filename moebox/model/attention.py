@@ -11,6 +11,7 @@ does not close at this token goes to the table's scratch row, and the indexer's 
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -25,7 +26,7 @@ from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, norm_rope, rope_inv_freq
-from moebox.ops.triton.runtime import kernel_switched_on
+from moebox.ops.triton.runtime import interpreting, kernel_or_fallback, kernel_switched_on
 
 WeightSource = Callable[[str], Weight]
 
@@ -212,29 +213,77 @@ class Attention:
         if cache is not None and old_from < seg.start:
             old = torch.arange(old_from, seg.start, device=dev)
             keys = torch.cat([ring_read(cache.window, seg.slot, old).to(kv.dtype), new])
-            kpos = torch.cat([old, t])
+            first = old_from
         else:
-            keys, kpos = new, t
-        visible = (kpos[None, :] <= t[:, None]) & (kpos[None, :] > t[:, None] - W)
+            keys, first = new, seg.start
         if cache is not None:
             ring_write(cache.window, seg.slot, t, kv)
 
+        entries = ent_visible = rows = None
         if self.compressor is not None:
             ckv, cgate = comp[0][seg.rows], comp[1][seg.rows]
             windows, new = self.compressor.entries_for(seg, ckv, cgate, cache and cache.raw_kv,
                                                        cache and cache.raw_gate, kv.dtype)
             n_vis = (seg.end + 1) // self.ratio
-            entries = _visible_entries(cache and cache.entries, seg.slot, windows, new, n_vis)
+            entries = _visible_entries(cache and cache.entries, seg.slot, windows, new, n_vis).to(keys.dtype)
             ent_visible = torch.arange(n_vis, device=dev)[None, :] < ((t + 1) // self.ratio)[:, None]
             if self.indexer is not None:
-                ent_visible = ent_visible & self._select(seg, t, idx, cache, n_vis, ent_visible)
-            keys = torch.cat([keys, entries.to(keys.dtype)])
-            visible = torch.cat([visible, ent_visible], dim=1)
-        return sink_attention(q, keys, visible, self.sink, cfg.head_dim ** -0.5)
+                rows = self._select(seg, t, idx, cache, n_vis, ent_visible)
+        return self._attend_segment(q, keys, first, t, entries, ent_visible, rows)
+
+    def _attend_segment(self, q: torch.Tensor, keys: torch.Tensor, first: int, t: torch.Tensor,
+                        entries: torch.Tensor | None, ent_visible: torch.Tensor | None,
+                        rows: torch.Tensor | None) -> torch.Tensor:
+        """Sink attention of a segment's queries (positions t) over the window keys (positions first..t[-1])
+        and, in compressed layers, the entries they see (`ent_visible`), only the indexer's `rows` in CSA.
+
+        The torch path scores every query against all of the segment's keys and masks (dense). With
+        MOEBOX_PREFILL_ATTENTION_KERNEL=1 (experimental, not yet timed) the decode attention kernel reads, per
+        query, only its window (a strided view of the keys: query i's ring is rows i..i+W-1 of the keys padded
+        with W-1 rows in front) and its selected entries (the table broadcast over queries with stride 0)."""
+        cfg, W = self.cfg, self.cfg.sliding_window
+        scale = cfg.head_dim ** -0.5
+        valid = None
+        if entries is not None and rows is not None:
+            valid = ent_visible.gather(1, rows)
+        elif entries is not None:
+            valid = ent_visible
+
+        def dense() -> torch.Tensor:
+            kpos = torch.arange(first, int(t[-1]) + 1, device=q.device)
+            visible = (kpos[None, :] <= t[:, None]) & (kpos[None, :] > t[:, None] - W)
+            keys_all = keys
+            if entries is not None:
+                ent_mask = ent_visible
+                if rows is not None:
+                    ent_mask = torch.zeros_like(ent_visible).scatter_(1, rows, valid)
+                keys_all = torch.cat([keys, entries])
+                visible = torch.cat([visible, ent_mask], dim=1)
+            return sink_attention(q, keys_all, visible, self.sink, scale)
+
+        if os.environ.get("MOEBOX_PREFILL_ATTENTION_KERNEL") != "1" or not (q.is_cuda or interpreting()):
+            return dense()
+        n, d = q.shape[0], keys.shape[1]
+        start = int(t[0])
+        padded = torch.cat([keys.new_zeros(W - 1, d), keys])[start - first:]
+        ring = padded.as_strided((n, W, d), (d, d, 1))
+        window_visible = (t[:, None] - W + 1 + torch.arange(W, device=q.device)[None, :]) >= first
+        slot = torch.arange(n, device=q.device, dtype=torch.int32)
+        table = None
+        if entries is not None and entries.shape[0]:
+            table = entries.unsqueeze(0).expand(n, -1, -1)
+        else:
+            valid = rows = None
+        from moebox.ops.triton import decode_attention as kernel
+        if not kernel.supported(q, ring, slot, window_visible, self.sink, table, rows, valid):
+            return dense()
+        return kernel_or_fallback("prefill attention", "MOEBOX_PREFILL_ATTENTION_KERNEL", lambda: kernel.attend_triton(
+            q, ring, slot, window_visible, self.sink, scale, table, rows, valid), dense)
 
     def _select(self, seg: Segment, t: torch.Tensor, idx, cache: LayerCache | None, n_vis: int,
-                valid: torch.Tensor) -> torch.Tensor:
-        """Lightning indexer: per query the top-k valid entries by sum_h w_h * relu(q_h . K_w)."""
+                valid: torch.Tensor) -> torch.Tensor | None:
+        """Lightning indexer: per query the rows [L, k] of the top-k entries by sum_h w_h * relu(q_h . K_w)
+        (None when no entry is visible yet). Where fewer than k are valid, the others come along: masked later."""
         qi, wi, (ikv, igate) = idx
         windows, new = self.indexer.entries_for(seg, ikv[seg.rows], igate[seg.rows], cache and cache.index_raw_kv,
                                                 cache and cache.index_raw_gate, qi.dtype)
@@ -244,10 +293,7 @@ class Attention:
         scores = (scores * (wi[seg.rows].float() * self.index_scale).unsqueeze(-1)).sum(dim=1)
         scores = scores.masked_fill(~valid, float("-inf"))
         k = min(self.cfg.index_topk, n_vis)
-        chosen = torch.zeros_like(valid)
-        if k:
-            chosen.scatter_(1, scores.topk(k, dim=-1).indices, True)
-        return chosen
+        return scores.topk(k, dim=-1, sorted=False).indices if k else None
 
     # ------------------------------------------------------------------ shape-static decode (DecodeBatch)
     def _decode(self, batch: DecodeBatch, q: torch.Tensor, kv: torch.Tensor, comp, idx,

@@ -1,0 +1,81 @@
+"""Prefill attention through the decode attention kernel (MOEBOX_PREFILL_ATTENTION_KERNEL=1, moebox/model/
+attention.py `_attend_segment`): each query's window read through a strided view of the segment's keys, its
+selected entries through the table broadcast with stride 0. The whole tiny model, prefilled in chunks into a
+cache (so chunks after the first read old window rows and entries back from it: sliding, CSA with the indexer's
+top-3 and HCA layers), must give the hidden states of the dense torch path. In Triton's interpreter (CPU, fp32),
+in a subprocess since TRITON_INTERPRET is read when triton is imported."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import pytest
+
+from tests.interpreter import check_in_interpreter
+
+_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from moebox.bench.synthetic import synthetic_weights
+    from moebox.config import parse_config
+    from moebox.model.batch import FlatBatch
+    from moebox.model.deepseek_v4 import DeepseekV4
+    from moebox.weights.synth import preset_config
+    import moebox.ops.triton.decode_attention as kernel
+
+    calls = []                                  # the kernel must really run: count its calls
+    attend = kernel.attend_triton
+    kernel.attend_triton = lambda *a, **kw: calls.append(1) or attend(*a, **kw)
+    cfg = parse_config(preset_config("tiny"))
+    model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).pop, qat=False, dtype=torch.float32,
+                       load_mtp=False)
+    ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+    hidden = {}
+    for switch in ("0", "1"):
+        os.environ["MOEBOX_PREFILL_ATTENTION_KERNEL"] = switch
+        cache = model.new_cache(2, 80, "cpu")
+        rows = []
+        for start in range(0, 70, 25):          # chunks of 25, 25, 20 tokens into slot 1
+            out = model.forward(FlatBatch.build([(1, start, ids[start:start + 25])], "cpu"), cache)
+            rows.append(out.hidden)
+        hidden[switch] = torch.cat(rows)
+    assert len(calls) == 3 * cfg.num_layers, len(calls)    # every layer of every chunk took the kernel
+    ref, got = hidden["0"], hidden["1"]
+    print("RESULT " + json.dumps([dict(case="tiny model, 3 chunks", same_buffer=True,
+                                       finite=bool(torch.isfinite(got).all()),
+                                       rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm()))]))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_prefill_attention_kernel_matches_the_dense_path_in_the_interpreter() -> None:
+    check_in_interpreter(_SCRIPT, default_tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_attention_kernel_matches_the_dense_path(monkeypatch) -> None:
+    """The `small` preset in bf16 on CUDA: a 300-token prompt in chunks of 128, kernel vs dense hidden states."""
+    import torch
+
+    from moebox.bench.synthetic import synthetic_weights
+    from moebox.config import parse_config
+    from moebox.model.batch import FlatBatch
+    from moebox.model.deepseek_v4 import DeepseekV4
+    from moebox.weights.synth import preset_config
+    cfg = parse_config(preset_config("small"))
+    model = DeepseekV4(cfg, synthetic_weights(cfg, "cuda", progress=False).pop, qat=False, dtype=torch.bfloat16,
+                       load_mtp=False)
+    ids = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    hidden = {}
+    with torch.inference_mode():
+        for switch in ("0", "1"):
+            monkeypatch.setenv("MOEBOX_PREFILL_ATTENTION_KERNEL", switch)
+            cache = model.new_cache(2, 320, "cuda")
+            hidden[switch] = torch.cat([model.forward(FlatBatch.build([(1, s, ids[s:s + 128])], "cuda"),
+                                                      cache).hidden.float() for s in range(0, 300, 128)])
+    ref, got = hidden["0"], hidden["1"]
+    assert torch.isfinite(got).all()
+    assert float((got - ref).norm() / ref.norm()) < 2e-2
