@@ -579,6 +579,19 @@ def _check_planes(codes: torch.Tensor, scales: torch.Tensor, rows: int, cols: in
         raise ValueError(f"{name} codes: expert stride and offset must be multiples of 4 bytes")
 
 
+def check_layer_planes(hidden: int, inter: int, multiple: int, w1_codes: torch.Tensor, w1_scales: torch.Tensor,
+                       w3_codes: torch.Tensor, w3_scales: torch.Tensor, w2_codes: torch.Tensor,
+                       w2_scales: torch.Tensor) -> None:
+    """ValueError unless H and I are multiples of `multiple` and the planes have the layout the kernels read."""
+    if hidden % multiple or inter % multiple:
+        raise ValueError(f"hidden ({hidden}) and intermediate ({inter}) must be multiples of {multiple}")
+    _check_planes(w1_codes, w1_scales, inter, hidden, "w1")
+    _check_planes(w3_codes, w3_scales, inter, hidden, "w3")
+    _check_planes(w2_codes, w2_scales, hidden, inter, "w2")
+    if w1_codes.stride() != w3_codes.stride() or w1_scales.stride() != w3_scales.stride():
+        raise ValueError("w1 and w3 must share their strides")
+
+
 def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                         w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
                         w3_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
@@ -596,13 +609,7 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
     n, hidden = x.shape
     k = expert_ids.shape[-1]
     inter = w1_codes.shape[1]
-    if hidden % 32 or inter % 32:
-        raise ValueError(f"hidden ({hidden}) and intermediate ({inter}) must be multiples of 32")
-    _check_planes(w1_codes, w1_scales, inter, hidden, "w1")
-    _check_planes(w3_codes, w3_scales, inter, hidden, "w3")
-    _check_planes(w2_codes, w2_scales, hidden, inter, "w2")
-    if w1_codes.stride() != w3_codes.stride() or w1_scales.stride() != w3_scales.stride():
-        raise ValueError("w1 and w3 must share their strides")
+    check_layer_planes(hidden, inter, 32, w1_codes, w1_scales, w3_codes, w3_scales, w2_codes, w2_scales)
     if x.stride(1) != 1:
         x = x.contiguous()
     ids = expert_ids.reshape(-1)

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from moebox.ops.triton.runtime import HAVE_TRITON, bench_start, cdiv, pdl_args, pdl_start, tl, triton
-from moebox.ops.triton.w2_moe import _check_planes, _u8, random_planes, random_routing, w2_moe_decode_reference
+from moebox.ops.triton.w2_moe import (_u8, check_layer_planes, random_planes, random_routing,
+                                      w2_moe_decode_reference)
 
 
 @dataclass(frozen=True)
@@ -99,24 +100,32 @@ if HAVE_TRITON:
         return w.to(DT)
 
     @triton.jit
+    def _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M: tl.constexpr):
+        """The program's block of slots: its expert (E past the last used block), slots, pair ids, real pairs."""
+        blk = tl.program_id(0)
+        slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(slots_ptr + slot)
+        return tl.load(bexp_ptr + blk), slot, pair, pair < n_pairs
+
+    @triton.jit
+    def _out_columns(size, BLOCK_N: tl.constexpr):
+        """The program's output columns (grid axis 1), which are in range, and the columns clamped (for loads)."""
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return cols, cols < size, tl.minimum(cols, size - 1).to(tl.int64)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, slots_ptr, bexp_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, h_ptr,
                         n_pairs, n_experts, stride_x, c_es, s_es, limit,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         DT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
-        blk = tl.program_id(0)
-        e = tl.load(bexp_ptr + blk)
+        e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
         e = e.to(tl.int64)
-        slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(slots_ptr + slot)
-        valid = pair < n_pairs
         tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < I
-        rows_c = tl.minimum(rows, I - 1).to(tl.int64)
+        rows, row_ok, rows_c = _out_columns(I, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -140,17 +149,11 @@ if HAVE_TRITON:
                      BLOCK_K: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
                      PDL: tl.constexpr):
         pdl_start(PDL)
-        blk = tl.program_id(0)
-        e = tl.load(bexp_ptr + blk)
+        e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
         e = e.to(tl.int64)
-        slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(slots_ptr + slot)
-        valid = pair < n_pairs
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < H
-        cols_c = tl.minimum(cols, H - 1).to(tl.int64)
+        cols, col_ok, cols_c = _out_columns(H, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
@@ -182,13 +185,7 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     k = expert_ids.shape[-1]
     n_experts, inter = w1_codes.shape[0], w1_codes.shape[1]
     block_k = config.block_k or (64 if hidden % 64 == 0 and inter % 64 == 0 else 32)
-    if hidden % block_k or inter % block_k:
-        raise ValueError(f"hidden ({hidden}) and intermediate ({inter}) must be multiples of {block_k}")
-    _check_planes(w1_codes, w1_scales, inter, hidden, "w1")
-    _check_planes(w3_codes, w3_scales, inter, hidden, "w3")
-    _check_planes(w2_codes, w2_scales, hidden, inter, "w2")
-    if w1_codes.stride() != w3_codes.stride() or w1_scales.stride() != w3_scales.stride():
-        raise ValueError("w1 and w3 must share their strides")
+    check_layer_planes(hidden, inter, block_k, w1_codes, w1_scales, w3_codes, w3_scales, w2_codes, w2_scales)
     if n == 0:
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
