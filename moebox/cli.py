@@ -214,6 +214,9 @@ def _configure_train(p: argparse.ArgumentParser) -> None:
         elif field == "config_overrides":
             p.add_argument(flag, default=value, help="JSON object of config.json keys over the preset's, e.g. "
                                                      "'{\"head_dim\": 256}'")
+        elif field == "expert_qat":
+            p.add_argument(flag, action="store_true", help="train the routed experts through FP4 rounding (QAT, as "
+                                                           "the real model's were)")
         elif field == "gain_decay":
             p.add_argument(flag, type=float, default=value, help=f"weight decay of the 1-D tensors (norm gains, "
                                                                  f"attention sinks, mHC scales); default {value}")

@@ -104,3 +104,31 @@ def test_the_demo_preset_ships_within_40_mb():
     assert sum(spec.stored_nbytes() for spec in official_schema(cfg).values()) <= 40e6
     assert {"sliding", "csa", "hca"} <= set(cfg.attn_types) and any(cfg.hash_layers)
     assert cfg.n_routed_experts >= 16 and cfg.n_shared_experts and cfg.num_mtp_layers == 1
+
+
+def test_expert_qat_forwards_the_exported_fp4_experts_and_trains_the_fp32_ones():
+    """With `expert_qat` the forward must see exactly the routed-expert values the export writes (FP4, what the
+    served native model multiplies by), while the gradient still reaches every hit expert's fp32 parameter."""
+    import re
+
+    from moebox.model.batch import FlatBatch
+    from moebox.train.export import dequantized
+    from moebox.weights.schema import official_schema
+    cfg = parse_config(preset_config("tiny"))
+    params = init_params(cfg, seed=5)
+    schema = official_schema(cfg)
+    expert = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+    assert all(schema[n].kind == "fp4" for n in params if expert.search(n))
+    rounded = {n: dequantized(schema[n], v) if expert.search(n) else v for n, v in params.items()}
+    ids = torch.randint(2, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    batch = FlatBatch.build([(0, 0, ids)])
+    rows = torch.arange(40)
+    qat = trainable_model(cfg, params, expert_qat=True).forward(batch, None, logits_rows=rows).logits
+    with torch.no_grad():
+        want = trainable_model(cfg, rounded).forward(batch, None, logits_rows=rows).logits
+        plain = trainable_model(cfg, params).forward(batch, None, logits_rows=rows).logits
+    assert (qat.detach() - want).abs().max().item() <= 1e-5
+    assert (plain - want).abs().max().item() > 1e-3          # the rounding changes the logits: the check can fail
+    qat.log_softmax(-1)[:, 7].sum().backward()
+    hit = [n for n, p in params.items() if expert.search(n) and p.grad is not None and p.grad.abs().sum() > 0]
+    assert len(hit) >= 3 * cfg.num_experts_per_tok

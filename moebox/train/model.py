@@ -12,6 +12,7 @@ it with a KL loss towards the attention scores, which is not built yet.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from moebox.config import ModelConfig
 from moebox.model.batch import FlatBatch
 from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.weights.formats import dequant_fp4, quant_fp4
 from moebox.weights.schema import official_schema
 from moebox.weights.synth import initial_values, tensor_generator
 
@@ -36,9 +38,36 @@ def init_params(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "c
     return params
 
 
-def trainable_model(cfg: ModelConfig, params: dict[str, torch.Tensor],
-                    dtype: torch.dtype = torch.float32) -> DeepseekV4:
-    return DeepseekV4(cfg, params.__getitem__, qat=False, dtype=dtype, load_mtp=True)
+_ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+class FP4FakeQuant:
+    """A routed expert's trainable weight seen through FP4 (QAT, `--expert-qat`): the forward multiplies by the
+    FP4 values the export will write (`quant_fp4`: e2m1 codes, one E8M0 scale per 32 inputs), the backward passes
+    the gradient straight through to the fp32 parameter. The real V4-Flash experts were trained on this grid, which
+    the 2-bit planes are cut from (field_notes.md §3): a demo trained so is closer to what w2 meets in the real
+    model. `linear` takes it like any stored format (it has `shape` and `dequantize`)."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.param = param
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.param.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        w = self.param
+        rounded = dequant_fp4(*quant_fp4(w.detach()))
+        return (w + (rounded - w.detach())).to(dtype)
+
+
+def trainable_model(cfg: ModelConfig, params: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                    expert_qat: bool = False) -> DeepseekV4:
+    """The serving model over `params`; with `expert_qat` the routed experts are seen through FP4 (FP4FakeQuant)."""
+    def get(name: str):
+        p = params[name]
+        return FP4FakeQuant(p) if expert_qat and _ROUTED_EXPERT.search(name) else p
+    return DeepseekV4(cfg, get, qat=False, dtype=dtype, load_mtp=True)
 
 
 def losses(model: DeepseekV4, sequences: Sequence[Sequence[int]], device: torch.device | str = "cpu"

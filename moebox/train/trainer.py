@@ -66,6 +66,7 @@ class TrainSettings:
     n_heldout: int = 2000
     n_eval_per_kind: int = 100
     config_overrides: str = ""       # JSON object of config.json keys over the preset's, e.g. '{"head_dim": 256}'
+    expert_qat: bool = False         # routed experts seen through FP4 in the forward (train.model.FP4FakeQuant)
 
 
 def model_config(s: TrainSettings) -> dict:
@@ -217,7 +218,7 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
         step = state["step"]
         batches = _Batches(docs, s.seq_len, rows, s.seed, state["epoch"], state["pos"], state["offset"])
         log.info("resuming %s at step %d of %s", run, step, s.steps or "a count fixed by the time budget")
-    model = trainable_model(cfg, params)
+    model = trainable_model(cfg, params, expert_qat=s.expert_qat)
     cuda = device.startswith("cuda")
     torch.backends.cuda.matmul.allow_tf32 = cuda and s.precision == "fp32"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and s.precision == "bf16" else nullcontext()
