@@ -229,12 +229,12 @@ class Attention:
             ent_visible = torch.arange(n_vis, device=dev)[None, :] < ((t + 1) // self.ratio)[:, None]
             if self.indexer is not None:
                 rows = self._select(seg, t, idx, cache, n_vis, ent_visible)
-        return self._attend_segment(q, keys, first, t, entries, ent_visible, rows)
+        return self._attend_segment(seg, q, keys, first, t, entries, ent_visible, rows)
 
-    def _attend_segment(self, q: torch.Tensor, keys: torch.Tensor, first: int, t: torch.Tensor,
+    def _attend_segment(self, seg: Segment, q: torch.Tensor, keys: torch.Tensor, first: int, t: torch.Tensor,
                         entries: torch.Tensor | None, ent_visible: torch.Tensor | None,
                         rows: torch.Tensor | None) -> torch.Tensor:
-        """Sink attention of a segment's queries (positions t) over the window keys (positions first..t[-1])
+        """Sink attention of a segment's queries (positions t) over the window keys (positions first..seg.end)
         and, in compressed layers, the entries they see (`ent_visible`), only the indexer's `rows` in CSA.
 
         The torch path scores every query against all of the segment's keys and masks (dense). With
@@ -250,7 +250,7 @@ class Attention:
             valid = ent_visible
 
         def dense() -> torch.Tensor:
-            kpos = torch.arange(first, int(t[-1]) + 1, device=q.device)
+            kpos = torch.arange(first, seg.end + 1, device=q.device)
             visible = (kpos[None, :] <= t[:, None]) & (kpos[None, :] > t[:, None] - W)
             keys_all = keys
             if entries is not None:
@@ -264,8 +264,7 @@ class Attention:
         if os.environ.get("MOEBOX_PREFILL_ATTENTION_KERNEL") != "1" or not (q.is_cuda or interpreting()):
             return dense()
         n, d = q.shape[0], keys.shape[1]
-        start = int(t[0])
-        padded = torch.cat([keys.new_zeros(W - 1, d), keys])[start - first:]
+        padded = torch.cat([keys.new_zeros(W - 1, d), keys])[seg.start - first:]
         ring = padded.as_strided((n, W, d), (d, d, 1))
         window_visible = (t[:, None] - W + 1 + torch.arange(W, device=q.device)[None, :]) >= first
         slot = torch.arange(n, device=q.device, dtype=torch.int32)
@@ -277,8 +276,8 @@ class Attention:
         from moebox.ops.triton import decode_attention as kernel
         if not kernel.supported(q, ring, slot, window_visible, self.sink, table, rows, valid):
             return dense()
-        return kernel_or_fallback("prefill attention", "MOEBOX_PREFILL_ATTENTION_KERNEL", lambda: kernel.attend_triton(
-            q, ring, slot, window_visible, self.sink, scale, table, rows, valid), dense)
+        return kernel_or_fallback("prefill attention", "MOEBOX_PREFILL_ATTENTION_KERNEL", lambda: (
+            kernel.attend_triton(q, ring, slot, window_visible, self.sink, scale, table, rows, valid)), dense)
 
     def _select(self, seg: Segment, t: torch.Tensor, idx, cache: LayerCache | None, n_vis: int,
                 valid: torch.Tensor) -> torch.Tensor | None:
