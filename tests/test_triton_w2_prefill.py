@@ -1,8 +1,8 @@
 """The Triton w2 routed-expert prefill kernels (moebox/ops/triton/w2_moe_prefill.py) against the torch reference.
 
-- CPU: `align_pairs` against a plain loop; the kernels in Triton's interpreter (subprocess: TRITON_INTERPRET is
-  read at import) on tiny shapes, fp32 and fp16 x, with and without the clamp, stacked planes and plane-store
-  layer views.
+- CPU: `align_pairs` against a plain loop; the kernels of both variants in Triton's interpreter (subprocess:
+  TRITON_INTERPRET is read at import) on tiny shapes, fp32 and fp16 x, with and without the clamp, stacked planes
+  and plane-store layer views; the sm_90 build of every tiling of the sweep (no GPU needed).
 - GPU (marker `gpu`, skipped without CUDA): the V4-Flash expert shapes (H=4096, I=2048, E=256, k=6) at 17, 300
   and 2048 tokens in bf16, a small shape in fp32 / fp16, every tiling of the bench's sweep; every scratch buffer
   poisoned with NaN first.
@@ -63,10 +63,13 @@ _INTERPRETER = textwrap.dedent("""
         return [tuple(from_float(torch.randn(s, generator=g) * 0.05) for s in ((inter, hidden), (inter, hidden),
                 (hidden, inter))) for _ in range(e)]
 
-    # several blocks per expert, partial blocks, row tiles past I / H (masks), K loops of several steps
+    # several blocks per expert, partial blocks, row tiles past I / H (masks), K loops of several steps; both
+    # variants (the weight tile as the dot's second operand, or as its first: "rows")
     cases = [(64, 96, 5, 2, 40, 0.5, torch.float32, PrefillConfig(block_m=16, block_n=32), 1e-5),
              (128, 64, 4, 3, 9, None, torch.float32, PrefillConfig(block_m=16, block_n=64, block_k=32), 1e-5),
-             (64, 96, 6, 2, 20, 10.0, torch.float16, PrefillConfig(block_m=16, block_n=64, block_k=32), 2e-3)]
+             (64, 96, 6, 2, 20, 10.0, torch.float16, PrefillConfig(block_m=16, block_n=64, block_k=32), 2e-3),
+             (64, 96, 5, 2, 40, 0.5, torch.float32, PrefillConfig(block_m=16, block_n=32, variant="rows"), 1e-5),
+             (128, 64, 4, 3, 9, None, torch.float16, PrefillConfig(block_m=16, block_n=64, variant="rows"), 2e-3)]
     for hidden, inter, e, k, n, limit, dtype, cfg, tol in cases:
         planes = stack_planes(experts_from_float(e, hidden, inter))
         ids, w = random_routing(n, e, k, seed=n)
@@ -112,6 +115,9 @@ def test_bad_shapes_are_refused_with_the_reason() -> None:
     planes = random_planes(2, 64, 32)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         w2_moe_prefill(torch.randn(3, 64).double(), ids, w, *planes, None)
+    from moebox.ops.triton.w2_moe_prefill import PrefillConfig
+    with pytest.raises(ValueError, match="variant tile or rows"):
+        PrefillConfig(variant="rows", block_k=64)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -173,3 +179,17 @@ def test_gpu_every_sweep_tiling_matches_reference() -> None:
         torch.cuda.synchronize()
         assert torch.isfinite(y).all(), cfg
         assert float((y.float() - ref).norm() / ref.norm()) < 1e-2, cfg
+
+
+@pytest.mark.slow
+@needs_triton
+def test_every_sweep_tiling_builds_for_sm90_without_spills_in_the_rows_variant() -> None:
+    """The sm_90 build (what a GPU run compiles) of each tiling the bench sweeps; the "rows" variant's point is
+    fewer instructions a weight than the "tile" one, so the report must show it."""
+    from moebox.ops.triton.w2_moe_prefill import SWEEP, PrefillConfig, sass_report
+    tile = sass_report(PrefillConfig())
+    rows = sass_report(PrefillConfig(variant="rows"))
+    assert rows["spills"] == 0 and rows["loop_ops"].get("HGMMA", 0) > 0, rows
+    assert rows["instructions_per_weight"] < 0.7 * tile["instructions_per_weight"], (rows, tile)
+    for cfg in SWEEP:
+        assert sass_report(cfg)["loop_ops"], cfg

@@ -132,6 +132,23 @@ def cubin_dump(cubin: bytes) -> tuple[str, str]:
     return sass, usage
 
 
+def loop_sass(cubin: bytes) -> tuple[dict[str, int], int, int, bool]:
+    """(op counts of the longest loop's body, registers, spill stack bytes, whether there is a loop) of a compiled
+    kernel's SASS: what the `--sass` reports compare between tilings on a machine without a GPU. The loop is the
+    longest span closed by a backward branch (the whole kernel when there is none)."""
+    import collections
+    import re
+    sass, usage = cubin_dump(cubin)
+    line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"   # address, optional predicate
+    ins = [(int(a, 16), op) for a, op in re.findall(line + r"([A-Z][\w.]*)", sass)]
+    back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", sass)
+            if int(t, 16) < int(a, 16)]
+    lo, hi = max(back, key=lambda b: b[1] - b[0]) if back else (0, ins[-1][0])
+    ops = collections.Counter(op.split(".")[0] for a, op in ins if lo <= a <= hi)
+    return (dict(ops.most_common()), int(re.search(r"REG:(\d+)", usage).group(1)),
+            int(re.search(r"STACK:(\d+)", usage).group(1)), bool(back))
+
+
 def kernel_or_fallback(name: str, switch: str, kernel: Callable[[], T], fallback: Callable[[], T]) -> T:
     """`kernel()` for a model path that has a torch equivalent `fallback()`: a kernel that fails to build or
     launch on a CUDA device (another Triton version, a GPU it was not built for) is reported once and the torch
@@ -163,6 +180,6 @@ else:
 
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
-           "versions", "bench_start", "graph_us", "cubin_dump", "cdiv", "next_pow2", "plain_tensor", "rel_err",
+           "versions", "bench_start", "graph_us", "cubin_dump", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err",
            "pdl_switched_on", "pdl_enabled", "pdl_args", "pdl_start"]
 

@@ -93,7 +93,7 @@ import torch
 from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cubin_dump, graph_us, interpreting, pdl_args,  # noqa: F401
+from moebox.ops.triton.runtime import (HAVE_TRITON, graph_us, interpreting, loop_sass, pdl_args,  # noqa: F401
                                        pdl_start, tl, triton, versions)
 
 
@@ -736,7 +736,6 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
     of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
-    import collections
     import re
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -761,21 +760,12 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
               for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")}
     steps = (16 if kernel == "gate_up" else 48) // split   # K steps of a warp; a loop of <= prefetch unrolls
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
-    dump = cubin_dump(compiled.asm["cubin"])
-    line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"   # address, optional predicate
-    ins = [(int(a, 16), op) for a, op in re.findall(line + r"([A-Z][\w.]*)", dump[0])]
-    back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", dump[0])
-            if int(t, 16) < int(a, 16)]   # backward branches: the loops
-    lo, hi = max(back, key=lambda b: b[1] - b[0]) if back else (0, ins[-1][0])
-    ops = collections.Counter(op.split(".")[0] for a, op in ins if lo <= a <= hi)
+    ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
     # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
-    weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if back else steps)
+    weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if looped else steps)
     return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": layout,
-            "loop_converts": loop.count("convert_layout"),
-            "registers": int(re.search(r"REG:(\d+)", dump[1]).group(1)),
-            "spills": int(re.search(r"STACK:(\d+)", dump[1]).group(1)),
-            "loop_ops": dict(ops.most_common()), "weights_per_iter": weights,
-            "instructions_per_weight": sum(ops.values()) / weights}
+            "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
+            "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
 
 
 # ----------------------------------------------------------------------------------------------- bench

@@ -47,13 +47,21 @@ from moebox.ops.triton.w2_moe import (_u8, check_layer_planes, random_planes, ra
 @dataclass(frozen=True)
 class PrefillConfig:
     """BLOCK_M pairs x BLOCK_N output columns per program, BLOCK_K inputs per step (0: 64 where the shapes
-    allow, else 32)."""
+    allow, else 32). `variant` "tile": the dequantized weight tile is the dot's second operand [BLOCK_K,
+    BLOCK_N] (the kernels timed in the seventh session); "rows": it is the first, [BLOCK_N, 32] (the output
+    transposed, one scale block a step, the code bytes expanded by interleaving): about half the SASS
+    instructions a weight (`--sass`: 7.7 against 14.1 at the default tiling), not yet timed on a GPU."""
 
     block_m: int = 64
     block_n: int = 128
     block_k: int = 0
     num_warps: int = 4
     num_stages: int = 3
+    variant: str = "tile"
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("tile", "rows") or (self.variant == "rows" and self.block_k not in (0, 32)):
+            raise ValueError(f"bad prefill config {self}: variant tile or rows (rows: block_k 32)")
 
 
 DEFAULT_CONFIG = PrefillConfig()
@@ -163,6 +171,76 @@ if HAVE_TRITON:
         dst = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * H + cols[None, :]
         tl.store(dst, acc, mask=valid[:, None] & col_ok[None, :])
 
+    # ------------------------------------------------------------------------ variant "rows" (BLOCK_K = 32)
+    @triton.jit
+    def _w_rows(c_ptrs, s_ptrs, row_ok, DT: tl.constexpr):
+        """32 inputs of BLOCK_N weight rows dequantized: [BLOCK_N, 32] in DT, from the code bytes [BLOCK_N, 8]
+        at c_ptrs and the rows' scale bytes [BLOCK_N] at s_ptrs. The fp32 bits are the scale's exponent plus
+        a per-code byte on top (sign | 2 for |level| 4) picked from the constant 0x01008081 by the code."""
+        cb = tl.load(c_ptrs, mask=row_ok[:, None], other=0).to(tl.int32)
+        c = tl.interleave(tl.interleave(cb & 3, (cb >> 4) & 3), tl.interleave((cb >> 2) & 3, (cb >> 6) & 3))
+        sb = tl.load(s_ptrs, mask=row_ok, other=0).to(tl.int32)
+        bits = (sb << 23)[:, None] + ((0x01008081 >> (c << 3)) << 24)
+        return bits.to(tl.float32, bitcast=True).to(DT)
+
+    @triton.jit
+    def _gate_up_rows_kernel(x_ptr, slots_ptr, bexp_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, h_ptr,
+                             n_pairs, n_experts, stride_x, c_es, s_es, limit,
+                             H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             DT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
+        if e >= n_experts:
+            return
+        e = e.to(tl.int64)
+        tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+        rows, row_ok, rows_c = _out_columns(I, BLOCK_N)
+        c_off = e * c_es + rows_c[:, None] * (H // 4) + tl.arange(0, 8)[None, :]
+        s_off = e * s_es + rows_c * (H // 32)
+        x_ptrs = x_ptr + tok[None, :] * stride_x + tl.arange(0, 32)[:, None]          # x^T [32, BLOCK_M]
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in tl.range(0, H, 32, num_stages=STAGES):
+            xt = tl.load(x_ptrs, mask=valid[None, :], other=0.0).to(DT)
+            acc_g = tl.dot(_w_rows(w1c_ptr + c_off, w1s_ptr + s_off, row_ok, DT), xt, acc_g,
+                           input_precision=PRECISION)
+            acc_u = tl.dot(_w_rows(w3c_ptr + c_off, w3s_ptr + s_off, row_ok, DT), xt, acc_u,
+                           input_precision=PRECISION)
+            c_off += 8
+            s_off += 1
+            x_ptrs += 32
+        if HAS_LIMIT:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[None, :]
+        tl.store(h_ptr + slot.to(tl.int64)[None, :] * I + rows[:, None], h.to(DT), mask=row_ok[:, None])
+
+    @triton.jit
+    def _down_rows_kernel(h_ptr, slots_ptr, bexp_ptr, w2c_ptr, w2s_ptr, y_ptr, n_pairs, n_experts, c_es, s_es,
+                          H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
+                          STAGES: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
+        if e >= n_experts:
+            return
+        e = e.to(tl.int64)
+        cols, col_ok, cols_c = _out_columns(H, BLOCK_N)
+        c_off = e * c_es + cols_c[:, None] * (I // 4) + tl.arange(0, 8)[None, :]
+        s_off = e * s_es + cols_c * (I // 32)
+        h_ptrs = h_ptr + slot.to(tl.int64)[None, :] * I + tl.arange(0, 32)[:, None]    # h^T [32, BLOCK_M]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for _ in tl.range(0, I, 32, num_stages=STAGES):
+            acc = tl.dot(_w_rows(w2c_ptr + c_off, w2s_ptr + s_off, col_ok, DT), tl.load(h_ptrs), acc,
+                         input_precision=PRECISION)
+            c_off += 8
+            s_off += 1
+            h_ptrs += 32
+        dst = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[None, :] * H + cols[:, None]
+        tl.store(dst, acc, mask=valid[None, :] & col_ok[:, None])
+
 
 _DOT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -184,7 +262,8 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     n, hidden = x.shape
     k = expert_ids.shape[-1]
     n_experts, inter = w1_codes.shape[0], w1_codes.shape[1]
-    block_k = config.block_k or (64 if hidden % 64 == 0 and inter % 64 == 0 else 32)
+    rows = config.variant == "rows"
+    block_k = 32 if rows else config.block_k or (64 if hidden % 64 == 0 and inter % 64 == 0 else 32)
     check_layer_planes(hidden, inter, block_k, w1_codes, w1_scales, w3_codes, w3_scales, w2_codes, w2_scales)
     if n == 0:
         return torch.empty_like(x)
@@ -201,11 +280,12 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     w1s, w3s, w2s = (_u8(s) for s in (w1_scales, w3_scales, w2_scales))
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, DT=dt, PRECISION=precision, STAGES=config.num_stages,
                   num_warps=config.num_warps, **pdl_args(x))
-    _gate_up_kernel[(blocks, cdiv(inter, bn))](
+    gate_up, down = (_gate_up_rows_kernel, _down_rows_kernel) if rows else (_gate_up_kernel, _down_kernel)
+    gate_up[(blocks, cdiv(inter, bn))](
         x, slots, block_expert, rw, w1c, w1s, w3c, w3s, h, n * k, n_experts, x.stride(0),
         w1c.stride(0), w1s.stride(0), float(limit or 0.0), H=hidden, I=inter, TOP_K=k,
         HAS_LIMIT=bool(limit), **common)
-    _down_kernel[(blocks, cdiv(hidden, bn))](
+    down[(blocks, cdiv(hidden, bn))](
         h, slots, block_expert, w2c, w2s, y, n * k, n_experts, w2c.stride(0), w2s.stride(0),
         H=hidden, I=inter, **common)
     return y.view(n, k, hidden).sum(dim=1).to(x.dtype)
@@ -223,9 +303,12 @@ def w2_moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
 
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP = [PrefillConfig(), PrefillConfig(block_m=128), PrefillConfig(block_n=64),
-         PrefillConfig(block_n=256, num_warps=8), PrefillConfig(block_k=32), PrefillConfig(block_k=128), PrefillConfig(num_warps=8),
-         PrefillConfig(block_m=128, num_warps=8), PrefillConfig(num_stages=2), PrefillConfig(num_stages=4),
-         PrefillConfig(block_m=32)]
+         PrefillConfig(block_n=256, num_warps=8), PrefillConfig(block_k=32), PrefillConfig(block_k=128),
+         PrefillConfig(num_warps=8), PrefillConfig(block_m=128, num_warps=8), PrefillConfig(num_stages=2),
+         PrefillConfig(num_stages=4), PrefillConfig(block_m=32),
+         PrefillConfig(variant="rows"), PrefillConfig(variant="rows", num_warps=8),
+         PrefillConfig(variant="rows", block_n=64), PrefillConfig(variant="rows", block_m=128, num_warps=8),
+         PrefillConfig(variant="rows", num_stages=4)]
 
 
 def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter: int = 2048, experts: int = 256,
@@ -255,7 +338,45 @@ def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter
                   f"matmul), {n / (ms * 1e-3):,.0f} tok/s a layer")
 
 
+def sass_report(config: PrefillConfig = DEFAULT_CONFIG) -> dict:
+    """Build `_gate_up_kernel` (V4-Flash shapes, bf16 x) for sm_90 on any machine with Triton's NVIDIA backend
+    (no GPU needed), specialised as a real launch is: registers, spill stack, the K loop's SASS op counts and
+    instructions per dequantized weight (w1 and w3: 2 x BLOCK_K x BLOCK_N weights a loop iteration, over
+    num_warps x 32 threads). The decode kernels' inline-PTX dequant does it in 1.7."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moebox.ops.triton.runtime import loop_sass
+    rows = config.variant == "rows"
+    fn = _gate_up_rows_kernel if rows else _gate_up_kernel
+    types = ["*bf16", "*i32", "*i32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*bf16", "i32", "i32", "i32", "i32",
+             "i32", "fp32"]
+    const = dict(H=4096, I=2048, TOP_K=6, HAS_LIMIT=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 BLOCK_K=32 if rows else config.block_k or 64, DT=tl.bfloat16, PRECISION="tf32", STAGES=config.num_stages, PDL=False)
+    names = fn.arg_names
+    sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
+    aligned = ("stride_x", "c_es", "s_es", "n_experts")      # multiples of 16 at V4-Flash: specialised so
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a, ty in zip(names, types)
+                           if ty.startswith("*") or a in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    ops, registers, spills, _ = loop_sass(compiled.asm["cubin"])
+    weights = 2 * const["BLOCK_K"] * config.block_n / (32 * config.num_warps)
+    return {"config": config, "registers": registers, "spills": spills, "loop_ops": ops,
+            "instructions_per_weight": sum(ops.values()) / weights}
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="w2 routed-expert prefill kernels: time and check")
     p.add_argument("--sweep", action="store_true", help="time every tiling of SWEEP")
-    bench(sweep=p.parse_args().sweep)
+    p.add_argument("--sass", action="store_true",
+                   help="no GPU needed: build each tiling of SWEEP for sm_90 and report its K loop's SASS")
+    args = p.parse_args()
+    if args.sass:
+        for cfg in SWEEP:
+            rep = sass_report(cfg)
+            print(f"{cfg}: {rep['instructions_per_weight']:.1f} instructions a weight, {rep['registers']} "
+                  f"registers, {rep['spills']} B spilled; {dict(list(rep['loop_ops'].items())[:6])}", flush=True)
+    else:
+        bench(sweep=args.sweep)
