@@ -16,7 +16,8 @@ from moebox.train.trainer import TrainSettings, _Batches, train
 
 SETTINGS = TrainSettings(preset="tiny", steps=8, batch_tokens=300, seq_len=150, save_every=1, warmup=2,
                          n_train=60, n_heldout=8, n_eval_per_kind=2)
-FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in vars(SETTINGS).items()]
+FLAGS = [f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f"={v}") for k, v in vars(SETTINGS).items()
+         if v is not False]                     # a boolean setting is a switch: given when true
 
 
 def _cli(run: Path, *extra: str) -> subprocess.Popen:

@@ -280,14 +280,17 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     w1s, w3s, w2s = (_u8(s) for s in (w1_scales, w3_scales, w2_scales))
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, DT=dt, PRECISION=precision, STAGES=config.num_stages,
                   num_warps=config.num_warps, **pdl_args(x))
-    gate_up, down = (_gate_up_rows_kernel, _down_rows_kernel) if rows else (_gate_up_kernel, _down_kernel)
-    gate_up[(blocks, cdiv(inter, bn))](
-        x, slots, block_expert, rw, w1c, w1s, w3c, w3s, h, n * k, n_experts, x.stride(0),
-        w1c.stride(0), w1s.stride(0), float(limit or 0.0), H=hidden, I=inter, TOP_K=k,
-        HAS_LIMIT=bool(limit), **common)
-    down[(blocks, cdiv(hidden, bn))](
-        h, slots, block_expert, w2c, w2s, y, n * k, n_experts, w2c.stride(0), w2s.stride(0),
-        H=hidden, I=inter, **common)
+    gate_args = (x, slots, block_expert, rw, w1c, w1s, w3c, w3s, h, n * k, n_experts, x.stride(0), w1c.stride(0),
+                 w1s.stride(0), float(limit or 0.0))
+    down_args = (h, slots, block_expert, w2c, w2s, y, n * k, n_experts, w2c.stride(0), w2s.stride(0))
+    gate_grid, down_grid = (blocks, cdiv(inter, bn)), (blocks, cdiv(hidden, bn))
+    gate_kw = dict(TOP_K=k, HAS_LIMIT=bool(limit))
+    if rows:
+        _gate_up_rows_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common)
+        _down_rows_kernel[down_grid](*down_args, H=hidden, I=inter, **common)
+    else:
+        _gate_up_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common)
+        _down_kernel[down_grid](*down_args, H=hidden, I=inter, **common)
     return y.view(n, k, hidden).sum(dim=1).to(x.dtype)
 
 
