@@ -12,12 +12,16 @@
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
 #   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES or
 #                                       # STEPS + PAUSE, and TRAIN_ARGS: more `moebox train` flags, JSON without
-#                                       # spaces); run it alone: next to the tests, its cold compile took 221 s
+#                                       # spaces); on one GPU run it alone (next to the tests its cold compile
+#                                       # took 221 s), on two see `pair`
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
+#   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: `train` on GPU 0 in the background (its logs and
+#                                       # model parts under $OUT/train) while the phases in PHASES (default
+#                                       # "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|decode|ab|train|copycheck|spec}
+phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|decode|ab|train|copycheck|spec|pair}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/$phase.log"
@@ -88,6 +92,15 @@ copycheck)                    # does the compiled CUDA training path learn to co
 spec)                         # after the trained model is shipped in moebox/demo_model
     step eval python3 -m moebox.cli eval moebox/demo_model --device cuda --n-per-kind 50
     step spec python3 -m moebox.bench.decode spec --device cuda
+    ;;
+pair)                         # the device budget counts held time, not GPUs: two GPUs do twice the work
+    CUDA_VISIBLE_DEVICES=0 OUT="$out/train" bash "$0" train >/dev/null 2>&1 &
+    for p in ${PHASES:-tests}; do
+        CUDA_VISIBLE_DEVICES=1 OUT="$out" bash "$0" "$p" >/dev/null 2>&1
+    done
+    wait
+    cat "$out/summary.txt" "$out/train/summary.txt" 2>/dev/null
+    exit 0
     ;;
 *)
     echo "unknown phase $phase" >&2

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from moebox.train.trainer import TrainSettings, _Batches, train
@@ -74,7 +75,6 @@ def test_a_paused_run_exports_nothing_and_resumes_to_the_uninterrupted_weights(t
 def test_other_settings_in_the_same_run_dir_are_refused(tmp_path):
     from dataclasses import replace
 
-    import pytest
 
     from moebox.errors import MoeboxError
     small = replace(SETTINGS, steps=1)
@@ -115,7 +115,6 @@ def test_config_overrides_shape_the_exported_model_and_bad_ones_fail_before_any_
     import json
     from dataclasses import replace
 
-    import pytest
 
     from moebox.errors import MoeboxError
     for bad, says in [("{head_dim: 32}", "not JSON"), ('["head_dim"]', "JSON object"),
@@ -154,3 +153,13 @@ def test_gain_decay_is_the_weight_decay_of_the_1d_tensors_alone(tmp_path):
     assert any(k.endswith("kv_norm.weight") for k in gains) and any(k.endswith("attn_sink") for k in gains)
     assert all(not torch.equal(pa[k], pb[k]) for k in gains)
     assert [g["weight_decay"] for g in torch.load(b / "state.pt")["optimizer"]["param_groups"]] == [0.1, 0.0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_without_a_gpu_fails_at_once_naming_the_flag(tmp_path):
+    """`--device cuda` on a machine without CUDA must stop before the corpus (minutes at the demo's size)."""
+    from moebox.errors import MoeboxError
+    run = tmp_path / "run"
+    with pytest.raises(MoeboxError, match="--device cuda"):
+        train(run, SETTINGS, device="cuda", progress=False)
+    assert not run.exists()

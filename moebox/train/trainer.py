@@ -175,6 +175,9 @@ def train(run_dir: str | Path, s: TrainSettings, device: str = "cpu", progress: 
     the schedule is the run's, so the result equals an uninterrupted run's."""
     started = time.perf_counter()
     raw_cfg = model_config(s)                # a bad --config-overrides fails before anything is written
+    if device.startswith("cuda") and not torch.cuda.is_available():   # before minutes of corpus writing
+        raise MoeboxError("--device cuda, but torch sees no CUDA device on this machine; use --device cpu or "
+                          "a CUDA build of torch on a GPU machine")
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     settings_path = run / "settings.json"
