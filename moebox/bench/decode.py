@@ -341,9 +341,7 @@ def bench_prefill(model: DeepseekV4, matmul_params: int, prompts: Sequence[int],
     device = model.embed.device
     rows = []
     for n in prompts:
-        run = _prefill_call(model, n, chunk)
-
-        seconds = _timed(run, device, 1)
+        seconds = _timed(_prefill_call(model, n, chunk), device, 1)
         rows.append(PrefillRow(n, seconds, 2.0 * matmul_params * n, rate))
         log.info("prefill %d tokens: %.2f s", n, seconds)
     return rows

@@ -12,7 +12,6 @@ it with a KL loss towards the attention scores, which is not built yet.
 
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import torch
@@ -38,13 +37,11 @@ def init_params(cfg: ModelConfig, seed: int = 0, device: torch.device | str = "c
     return params
 
 
-_ROUTED_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-
-
 class FP4FakeQuant:
     """A routed expert's trainable weight seen through FP4 (QAT, `--expert-qat`): the forward multiplies by the
-    FP4 values the export will write (`quant_fp4`: e2m1 codes, one E8M0 scale per 32 inputs), the backward passes
-    the gradient straight through to the fp32 parameter. The real V4-Flash experts were trained on this grid, which
+    values the export will write (`quant_fp4`, as `train.export` stores FP4 specs: e2m1 codes, one E8M0 scale per
+    32 inputs; computed on the weight's device, not through the export's CPU copy), the backward passes the
+    gradient straight through to the fp32 parameter. The real V4-Flash experts were trained on this grid, which
     the 2-bit planes are cut from (field_notes.md §3): a demo trained so is closer to what w2 meets in the real
     model. `linear` takes it like any stored format (it has `shape` and `dequantize`)."""
 
@@ -63,10 +60,13 @@ class FP4FakeQuant:
 
 def trainable_model(cfg: ModelConfig, params: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                     expert_qat: bool = False) -> DeepseekV4:
-    """The serving model over `params`; with `expert_qat` the routed experts are seen through FP4 (FP4FakeQuant)."""
+    """The serving model over `params`; with `expert_qat` the tensors the export writes as FP4 (the routed
+    experts) are seen through that rounding (FP4FakeQuant)."""
+    schema = official_schema(cfg) if expert_qat else {}
+
     def get(name: str):
         p = params[name]
-        return FP4FakeQuant(p) if expert_qat and _ROUTED_EXPERT.search(name) else p
+        return FP4FakeQuant(p) if expert_qat and schema[name].kind == "fp4" else p
     return DeepseekV4(cfg, get, qat=False, dtype=dtype, load_mtp=True)
 
 

@@ -24,8 +24,13 @@ _failed: dict[str, str] = {}          # kernel name -> why it was given up in th
 
 
 @functools.lru_cache(maxsize=None)
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties(index: int):
+    """A CUDA device's properties, read once: kernel launches ask for them on every call."""
+    return torch.cuda.get_device_properties(index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def num_sms(device: torch.device) -> int:
@@ -33,7 +38,7 @@ def num_sms(device: torch.device) -> int:
     interpreter's CPU tensors."""
     if device.type != "cuda":
         return 132
-    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties(_index(device)).multi_processor_count
 
 
 def interpreting() -> bool:
@@ -56,8 +61,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     sixth session). With PDL a kernel lets the next one launch as soon as all its programs have started, and
     the next one's programs wait in `pdl_start` until it has finished and its writes are visible: the launch
     and scheduling of a kernel overlap its predecessor."""
-    return (HAVE_TRITON and t.is_cuda and pdl_switched_on()
-            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return HAVE_TRITON and t.is_cuda and pdl_switched_on() and _properties(_index(t.device)).major >= 9
 
 
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
@@ -180,6 +184,6 @@ else:
 
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
-           "versions", "bench_start", "graph_us", "cubin_dump", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err",
-           "pdl_switched_on", "pdl_enabled", "pdl_args", "pdl_start"]
+           "versions", "bench_start", "graph_us", "cubin_dump", "loop_sass", "cdiv", "next_pow2", "plain_tensor",
+           "rel_err", "pdl_switched_on", "pdl_enabled", "pdl_args", "pdl_start"]
 

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, bench_start, cdiv, pdl_args, pdl_start, tl, triton
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, loop_sass, pdl_args, pdl_start, tl,
+                                       triton)
 from moebox.ops.triton.w2_moe import (_u8, check_layer_planes, random_planes, random_routing,
                                       w2_moe_decode_reference)
 
@@ -122,6 +123,14 @@ if HAVE_TRITON:
         return cols, cols < size, tl.minimum(cols, size - 1).to(tl.int64)
 
     @triton.jit
+    def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+        """silu(min(g, limit)) * clamp(u, -limit, limit), in fp32 (the routed experts' clamp)."""
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g / (1.0 + tl.exp(-g)) * u
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, slots_ptr, bexp_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, h_ptr,
                         n_pairs, n_experts, stride_x, c_es, s_es, limit,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -144,11 +153,8 @@ if HAVE_TRITON:
             acc_g = tl.dot(a, w1, acc_g, input_precision=PRECISION)
             w3 = _w_tile(w3c_ptr, w3s_ptr, e, rows_c, row_ok, k0, c_es, s_es, H, BLOCK_K, BLOCK_N, DT)
             acc_u = tl.dot(a, w3, acc_u, input_precision=PRECISION)
-        if HAS_LIMIT:
-            acc_g = tl.minimum(acc_g, limit)
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
+        h = _swiglu(acc_g, acc_u, limit, HAS_LIMIT) * rw[:, None]
         tl.store(h_ptr + slot.to(tl.int64)[:, None] * I + rows[None, :], h.to(DT), mask=row_ok[None, :])
 
     @triton.jit
@@ -210,11 +216,8 @@ if HAVE_TRITON:
             c_off += 8
             s_off += 1
             x_ptrs += 32
-        if HAS_LIMIT:
-            acc_g = tl.minimum(acc_g, limit)
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[None, :]
+        h = _swiglu(acc_g, acc_u, limit, HAS_LIMIT) * rw[None, :]
         tl.store(h_ptr + slot.to(tl.int64)[None, :] * I + rows[:, None], h.to(DT), mask=row_ok[:, None])
 
     @triton.jit
@@ -242,7 +245,7 @@ if HAVE_TRITON:
         tl.store(dst, acc, mask=valid[None, :] & col_ok[:, None])
 
 
-_DOT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -348,14 +351,13 @@ def sass_report(config: PrefillConfig = DEFAULT_CONFIG) -> dict:
     num_warps x 32 threads). The decode kernels' inline-PTX dequant does it in 1.7."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from moebox.ops.triton.runtime import loop_sass
     rows = config.variant == "rows"
     fn = _gate_up_rows_kernel if rows else _gate_up_kernel
     types = ["*bf16", "*i32", "*i32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*bf16", "i32", "i32", "i32", "i32",
              "i32", "fp32"]
     const = dict(H=4096, I=2048, TOP_K=6, HAS_LIMIT=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 BLOCK_K=32 if rows else config.block_k or 64, DT=tl.bfloat16, PRECISION="tf32", STAGES=config.num_stages, PDL=False)
+                 BLOCK_K=32 if rows else config.block_k or 64, DT=tl.bfloat16, PRECISION="tf32",
+                 STAGES=config.num_stages, PDL=False)
     names = fn.arg_names
     sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
     aligned = ("stride_x", "c_es", "s_es", "n_experts")      # multiples of 16 at V4-Flash: specialised so
