@@ -415,6 +415,7 @@ _MODEL_CHECK = textwrap.dedent("""
     import moebox.ops.triton.decode_attention as da
     kernel, kernel_calls = da.attend_triton, []
     da.attend_triton = lambda *a: kernel_calls.append(1) or kernel(*a)      # counts the kernel's launches
+    os.environ["MOEBOX_PREFILL_ATTENTION_KERNEL"] = "0"   # count the decode steps' launches only
     runs = {}
     for flag in ("1", "0"):
         os.environ["MOEBOX_ATTENTION_KERNEL"] = flag
