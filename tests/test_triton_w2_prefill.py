@@ -65,9 +65,12 @@ _INTERPRETER = textwrap.dedent("""
 
     # several blocks per expert, partial blocks, row tiles past I / H (masks), K loops of several steps; both
     # variants (the weight tile as the dot's second operand, or as its first: "rows")
-    cases = [(64, 96, 5, 2, 40, 0.5, torch.float32, PrefillConfig(block_m=16, block_n=32), 1e-5),
-             (128, 64, 4, 3, 9, None, torch.float32, PrefillConfig(block_m=16, block_n=64, block_k=32), 1e-5),
-             (64, 96, 6, 2, 20, 10.0, torch.float16, PrefillConfig(block_m=16, block_n=64, block_k=32), 2e-3),
+    tile = "tile"
+    cases = [(64, 96, 5, 2, 40, 0.5, torch.float32, PrefillConfig(block_m=16, block_n=32, variant=tile), 1e-5),
+             (128, 64, 4, 3, 9, None, torch.float32, PrefillConfig(block_m=16, block_n=64, block_k=32, variant=tile),
+              1e-5),
+             (64, 96, 6, 2, 20, 10.0, torch.float16, PrefillConfig(block_m=16, block_n=64, block_k=32, variant=tile),
+              2e-3),
              (64, 96, 5, 2, 40, 0.5, torch.float32, PrefillConfig(block_m=16, block_n=32, variant="rows"), 1e-5),
              (128, 64, 4, 3, 9, None, torch.float16, PrefillConfig(block_m=16, block_n=64, variant="rows"), 2e-3)]
     for hidden, inter, e, k, n, limit, dtype, cfg, tol in cases:
@@ -187,8 +190,8 @@ def test_every_sweep_tiling_builds_for_sm90_without_spills_in_the_rows_variant()
     """The sm_90 build (what a GPU run compiles) of each tiling the bench sweeps; the "rows" variant's point is
     fewer instructions a weight than the "tile" one, so the report must show it."""
     from moebox.ops.triton.w2_moe_prefill import SWEEP, PrefillConfig, sass_report
-    tile = sass_report(PrefillConfig())
-    rows = sass_report(PrefillConfig(variant="rows"))
+    tile = sass_report(PrefillConfig(block_n=128, variant="tile"))
+    rows = sass_report(PrefillConfig(block_n=128, variant="rows"))
     assert rows["spills"] == 0 and rows["loop_ops"].get("HGMMA", 0) > 0, rows
     assert rows["instructions_per_weight"] < 0.7 * tile["instructions_per_weight"], (rows, tile)
     for cfg in SWEEP:

@@ -53,7 +53,10 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   within 0.05): 1.66 instructions per weight for gate-up (PRMT 0.53, SHF/IMAD-shift/LOP3 ~0.92, HMMA 0.125,
   LDG 0.06), 1.90 for down (per-unit expert lookup and addresses); 130 / 80 registers, no spills. At N=1 that
   is ~8 us of issue for the 151M weights, under the 10 us of DRAM time, so the call should be memory- and
-  latency-bound (launches and tails); `python -m moebox.ops.triton.w2_moe --sweep` measures it.
+  latency-bound (launches and tails); `python -m moebox.ops.triton.w2_moe --sweep` measures it. The default
+  gate split is 2 (1.68 instructions a weight), the fastest in the fifth and eighth sessions' sweeps at N = 1,
+  4 and 16. Loading x/h with the codes, two steps ahead (instead of from L2 in the step) cost 36 / 84 more
+  registers and lost 4-30% in the eighth session's sweep (docs/benchmarks.md).
   Accuracy: the products are exact (bf16 weights with the scale folded in, bf16 x terms) and summed in fp32,
   so fp32 x gives ~1e-6 relative error and bf16 x is bounded by the bf16 output rounding.
   Triton's interpreter cannot run inline asm: there (TRITON_INTERPRET=1) the same kernels run `_plain_word_dot`,
@@ -113,7 +116,7 @@ class DecodeConfig:
     num_stages: int = 3
     transpose_x: bool = True
     variant: str = "mma"
-    gate_split: int = 4
+    gate_split: int = 2
     down_split: int = 8
     prefetch: int = 2
 
@@ -771,7 +774,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
-     for g, d, p in ((4, 8, 2), (4, 8, 1), (2, 8, 2), (8, 8, 2), (4, 4, 2), (4, 16, 2), (8, 16, 1))]
+     for g, d, p in ((2, 8, 2), (4, 8, 2), (4, 8, 1), (8, 8, 2), (4, 4, 2), (4, 16, 2), (8, 16, 1))]
     + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
