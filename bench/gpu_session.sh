@@ -6,7 +6,7 @@
 #                                       # at decode, and their prefill GEMM's tilings)
 #   bash bench/gpu_session.sh decode    # the full-size decode bench (4K, 64K, verify cost, the costliest kernels
 #                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts, the
-#                                       # costliest kernels of a 2K chunk), again with the prefill attention kernel
+#                                       # costliest kernels of a 2K chunk), again with dense prefill attention
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
@@ -16,12 +16,13 @@
 #                                       # took 221 s), on two see `pair`
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
-#   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: `train` on GPU 0 in the background (its logs and
-#                                       # model parts under $OUT/train) while the phases in PHASES (default
-#                                       # "tests") run one after another on GPU 1
+#   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
+#   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in
+#                                       # the background (their logs and model parts under $OUT/gpu0) while
+#                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|decode|ab|train|copycheck|spec|pair}
+phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|experts|decode|ab|train|copycheck|spec|pair}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/$phase.log"
@@ -41,10 +42,14 @@ case $phase in
 tests)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$log" 2>&1
     # kernels first, the model last; a hang leaves the log so far
-    step gpu-tests timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
-        tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
+    # shellcheck disable=SC2086  # TESTS: a subset of the test files (default: all of the GPU ones)
+    step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
+        ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
-        tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_cuda.py
+        tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_cuda.py}
+    ;;
+experts)                      # the routed-expert decode kernels' sweep alone
+    step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
     ;;
 kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
@@ -56,7 +61,7 @@ kernels)
 decode)
     step decode python3 -m moebox.bench.decode decode --context 4096 65536 --verify 2 --kernels 40
     step prefill python3 -m moebox.bench.decode prefill --kernels 25
-    step prefill-attention-kernel env MOEBOX_PREFILL_ATTENTION_KERNEL=1 python3 -m moebox.bench.decode prefill \
+    step prefill-dense-attention env MOEBOX_PREFILL_ATTENTION_KERNEL=0 python3 -m moebox.bench.decode prefill \
         --kernels 25
     ;;
 ab)                           # AB="..." picks the switches (default: each part of the fast path off)
@@ -94,12 +99,14 @@ spec)                         # after the trained model is shipped in moebox/dem
     step spec python3 -m moebox.bench.decode spec --device cuda
     ;;
 pair)                         # the device budget counts held time, not GPUs: two GPUs do twice the work
-    CUDA_VISIBLE_DEVICES=0 OUT="$out/train" bash "$0" train >/dev/null 2>&1 &
+    for p in ${PHASES0:-train}; do
+        CUDA_VISIBLE_DEVICES=0 OUT="$out/gpu0" bash "$0" "$p" >/dev/null 2>&1
+    done &
     for p in ${PHASES:-tests}; do
         CUDA_VISIBLE_DEVICES=1 OUT="$out" bash "$0" "$p" >/dev/null 2>&1
     done
     wait
-    cat "$out/summary.txt" "$out/train/summary.txt" 2>/dev/null
+    cat "$out/summary.txt" "$out/gpu0/summary.txt" 2>/dev/null
     exit 0
     ;;
 *)
