@@ -46,7 +46,7 @@ tests)
     step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
         ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
-        tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_cuda.py}
+        tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_cuda.py}
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
     step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep

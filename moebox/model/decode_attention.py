@@ -11,6 +11,8 @@ same functions eagerly.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moebox.ops.attention import sink_attention
@@ -18,6 +20,7 @@ from moebox.ops.compress import pool
 from moebox.ops.fuse import fused
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import norm_rope
+from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 
 @fused
@@ -67,16 +70,35 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor, slot:
 
 
 @fused
-def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor, slot: torch.Tensor,
-                 valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lightning indexer over each sequence's whole key table: (entry rows [B, k], valid [B, k]); the head
-    weights `wi` are the raw projection, scaled here."""
+def index_scores(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor, slot: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's scores [B, E] fp32 over each sequence's whole key table, -inf where not `valid`;
+    the head weights `wi` are the raw projection, scaled here."""
     keys = index_keys[slot]                                                                 # [B, E, dI]
     scores = torch.relu(torch.einsum("bhd,bkd->bhk", qi.float(), keys.float()))
-    scores = (scores * (wi.float() * scale).unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+    return (scores * (wi.float() * scale).unsqueeze(-1)).sum(dim=1).masked_fill(~valid, float("-inf"))
+
+
+@fused
+def _top_rows(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # unsorted: attention does not care about the order, and sorting the k rows was 4.8% of a batch-1 step
-    top = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=False).indices
+    top = scores.topk(k, dim=-1, sorted=False).indices
     return top, valid.gather(1, top)
+
+
+def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor, slot: torch.Tensor,
+                 valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer: (entry rows [B, k], valid [B, k]) of the top-k scores. With MOEBOX_TOPK_KERNEL=1
+    (not yet run on a GPU) the top-k and the gather of `valid` are one Triton kernel (ops/triton/topk.py)."""
+    scores = index_scores(qi, wi, scale, index_keys, slot, valid)
+    k = min(topk, scores.shape[1])
+    if os.environ.get("MOEBOX_TOPK_KERNEL") == "1" and kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL"):
+        from moebox.ops.triton import topk as kernel
+        if kernel.supported(scores, valid, k):
+            return kernel_or_fallback("indexer top-k", "MOEBOX_TOPK_KERNEL",
+                                      lambda: kernel.index_topk_triton(scores, valid, k),
+                                      lambda: _top_rows(scores, valid, k))
+    return _top_rows(scores, valid, k)
 
 
 @fused

@@ -1,0 +1,150 @@
+"""The indexer's top-k kernel (moebox/ops/triton/topk.py) against torch.topk.
+
+A top-k is right when it takes k distinct rows, none left out scores above one taken (so the sorted values
+equal torch.topk's), and each row's valid flag comes along. The rows themselves may differ from torch's among
+equal scores. CPU: the kernel in Triton's interpreter (rows of one and of several chunks, exact ties across
+chunks, -inf masks with fewer finite rows than k, +-0, subnormals, NaN), what it refuses, and the tiny model's
+decode steps with MOEBOX_TOPK_KERNEL=1 against the torch top-k. GPU (marker `gpu`): V4-Flash rows (k 512, E
+1024 to 16384, batch 1-16), outputs poisoned first, replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+
+import pytest
+import torch
+
+from tests.interpreter import check_in_interpreter
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def check_topk(scores: torch.Tensor, valid: torch.Tensor, k: int, rows: torch.Tensor, rvalid: torch.Tensor) -> None:
+    """The properties above, row by row (NaN ranks first, as in torch)."""
+    scores, valid, rows, rvalid = (t.cpu() for t in (scores, valid, rows, rvalid))
+    assert rows.shape == (scores.shape[0], k) and rows.dtype == torch.int64 and rvalid.dtype == torch.bool
+    for b in range(scores.shape[0]):
+        r = rows[b]
+        assert r.min() >= 0 and r.max() < scores.shape[1] and r.unique().numel() == k, r
+        ref = scores[b].topk(k).values
+        got = scores[b][r]
+        assert torch.equal(got.nan_to_num(nan=3.3e38, posinf=3e38, neginf=-3e38).sort().values,
+                           ref.nan_to_num(nan=3.3e38, posinf=3e38, neginf=-3e38).sort().values)
+        assert torch.equal(rvalid[b], valid[b][r])
+
+
+def cases(g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(scores, valid, k): masked random rows, rows of ties, and the edge values."""
+    out = []
+    for b, e, k in ((1, 64, 8), (3, 100, 17), (2, 300, 40), (2, 37, 37), (1, 5, 1)):
+        s = torch.randn(b, e, generator=g)
+        v = torch.rand(b, e, generator=g) > 0.3
+        out.append((s.masked_fill(~v, float("-inf")), v, k))
+    s = torch.tensor([[0.0, -0.0, 1.0, 1.0, 1.0, -2.0, 0.0, 3.0, float("-inf"), 1.0]])
+    out += [(s, s > -1, 4), (s, s > -1, 6)]
+    s = torch.full((2, 200), 0.5)                       # all equal: ties across chunks of 64
+    s[1, 150] = 0.75
+    out.append((s, torch.ones_like(s, dtype=torch.bool), 70))
+    s = torch.full((1, 130), float("-inf"))             # fewer finite rows than k
+    s[0, [3, 77, 129]] = torch.tensor([1.0, -1.0, 0.0])
+    out.append((s, s > float("-inf"), 9))
+    s = -torch.rand(2, 90, generator=g) * 1e-39          # subnormal negatives
+    out.append((s, torch.ones_like(s, dtype=torch.bool), 30))
+    s = torch.randn(1, 50, generator=g)
+    s[0, [4, 9]] = float("nan")
+    out.append((s, torch.ones_like(s, dtype=torch.bool), 5))
+    return out
+
+
+_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import moebox.ops.triton.topk as topk
+    from tests.test_triton_topk import cases, check_topk
+    results = []
+    for chunk in (1024, 64):                             # one chunk a row; several (ties across them)
+        topk.CHUNK = chunk
+        for s, v, k in cases(torch.Generator().manual_seed(chunk)):
+            rows, rv = topk.index_topk_triton(s, v, k)
+            check_topk(s, v, k, rows, rv)
+            results.append(dict(case=[list(s.shape), k, chunk], same_buffer=True, finite=True, rel=0.0, ref_norm=1.0))
+
+    # the tiny model's decode steps: the kernel's rows against torch's (same logits: no ties in these scores)
+    from moebox.bench.synthetic import synthetic_weights
+    from moebox.config import parse_config
+    from moebox.model.batch import DecodeBatch, FlatBatch
+    from moebox.model.deepseek_v4 import DeepseekV4
+    from moebox.weights.synth import preset_config
+    calls = []
+    kernel = topk.index_topk_triton
+    topk.index_topk_triton = lambda *a: calls.append(1) or kernel(*a)
+    os.environ.update(MOEBOX_ATTENTION_KERNEL="0", MOEBOX_COMPRESS_KERNEL="0", MOEBOX_PREFILL_ATTENTION_KERNEL="0")
+    cfg = parse_config(preset_config("tiny"))
+    model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).pop, qat=False, dtype=torch.float32,
+                       load_mtp=False)
+    ids = torch.randint(2, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = {}
+    for flag in ("1", "0"):
+        os.environ["MOEBOX_TOPK_KERNEL"] = flag
+        cache = model.new_cache(3, 64, "cpu")
+        model.forward(FlatBatch.build([(1, 0, ids[:20]), (2, 0, ids[30:33])], "cpu"), cache)
+        t = torch.tensor
+        runs[flag] = torch.stack([model.forward(DecodeBatch(t([ids[20 + i], ids[33 + i]]), t([20 + i, 3 + i]),
+                                                            t([1, 2])), cache).logits for i in range(12)])
+    csa = sum(1 for r, kind in zip(cfg.compress_ratios, cfg.attn_types) if kind == "csa")
+    assert csa and len(calls) == 12 * csa, (len(calls), csa)
+    got, ref = runs["1"], runs["0"]
+    results.append(dict(case="tiny model decode", same_buffer=True, finite=bool(got.isfinite().all()),
+                        rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
+    print("RESULT " + json.dumps(results))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_topk_kernel_in_the_interpreter() -> None:
+    check_in_interpreter(_SCRIPT, default_tol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_what_the_kernel_refuses() -> None:
+    from moebox.ops.triton.topk import index_topk_triton, supported
+    s = torch.randn(2, 50)
+    v = torch.ones(2, 50, dtype=torch.bool)
+    assert supported(s, v, 50) and not supported(s, v, 51) and not supported(s, v, 0)
+    assert not supported(s.double(), v, 5) and not supported(s.t(), v.t(), 1) and not supported(s, v[:, :10], 5)
+    with pytest.raises(ValueError, match="k 51"):
+        index_topk_triton(s, v, 51)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("entries", [1024, 5000, 16384])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_v4_rows(entries: int, batch: int) -> None:
+    """V4-Flash's k = 512 over 4K-64K contexts' entries, a third masked (-inf), a run of ties, outputs poisoned,
+    then the same call replayed from a CUDA graph on new scores."""
+    from moebox.ops.triton.topk import index_topk_triton
+    g = torch.Generator(device="cuda").manual_seed(entries + batch)
+    scores = torch.randn(batch, entries, device="cuda", generator=g)
+    valid = torch.rand(batch, entries, device="cuda", generator=g) > 0.33
+    scores[:, 100:400] = 1.5                                    # ties around the k-th value
+    scores = scores.masked_fill(~valid, float("-inf"))
+    torch.full((1 << 22,), -1, dtype=torch.int64, device="cuda")   # poison the allocator's free blocks
+    rows, rv = index_topk_triton(scores, valid, 512)
+    torch.cuda.synchronize()
+    check_topk(scores, valid, 512, rows, rv)
+    graph = torch.cuda.CUDAGraph()
+    static = scores.clone()
+    with torch.cuda.graph(graph):
+        out = index_topk_triton(static, valid, 512)
+    static.copy_(torch.randn(batch, entries, device="cuda", generator=g).masked_fill(~valid, float("-inf")))
+    out[0].fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_topk(static, valid, 512, *out)
