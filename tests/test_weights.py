@@ -14,7 +14,7 @@ import moebox.weights.checkpoint as checkpoint_mod
 from moebox.config import parse_config
 from moebox.errors import CheckpointError, ConfigError
 from moebox.weights.checkpoint import Checkpoint
-from moebox.weights.formats import QuantTensor, quant_fp4, quant_fp8_block
+from moebox.weights.formats import QuantTensor, fp4_round, quant_fp4, quant_fp8_block
 from moebox.weights.hf import hf_config_dict, hf_to_official_state, official_to_hf_name, official_to_hf_state
 from moebox.weights.schema import official_schema, tensor_group
 from moebox.weights.tokenizer import BOS, EOS, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
@@ -85,6 +85,9 @@ def test_quant_round_trips_are_stable() -> None:
     assert q4.shape == w.shape
     d4 = q4.dequantize()
     assert torch.equal(QuantTensor("fp4", *quant_fp4(d4)).dequantize(), d4)
+    # QAT's unpacked rounding gives the exported values, bit for bit (signed zeros, tiny and huge blocks too)
+    w[0, :7] = torch.tensor([0.0, -0.0, 1e-39, -3e-38, 2.5e-3, 7e30, -1e-45])
+    assert torch.equal(fp4_round(w), QuantTensor("fp4", *quant_fp4(w)).dequantize())
 
 
 # ------------------------------------------------------------------ schema

@@ -108,6 +108,15 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (vals * s).to(dtype)
 
 
+def fp4_round(w: torch.Tensor) -> torch.Tensor:
+    """float [O, I] -> fp32 [O, I]: the values `dequant_fp4(*quant_fp4(w))` gives, without packing (a few fused
+    elementwise ops: QAT applies it to every routed expert in every forward)."""
+    rows, cols = w.shape
+    blocks = w.float().view(rows, cols // FP4_BLOCK, FP4_BLOCK)
+    s = torch.exp2(pow2_exponent(blocks.abs().amax(dim=-1), FP4_MAX))[..., None]
+    return (fp4_values_from_codes(fp4_codes_from_values(blocks / s)) * s).view(rows, cols)
+
+
 def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [O, I] -> (packed int8 [O, I/2], E8M0 scales [O, I/32]); I must be a multiple of 32."""
     rows, cols = w.shape
