@@ -25,3 +25,17 @@ def check_in_interpreter(script: str, default_tol: float = 1e-5) -> None:
     for r in results:
         assert r["same_buffer"] and r["finite"], r
         assert r["ref_norm"] > 0 and r["rel"] < r.get("tol", default_tol), r
+
+
+def tiny_model():
+    """(config, model) of the `tiny` preset with synthetic weights, fp32 on the CPU, without MTP: the model the
+    interpreter scripts run through their kernels."""
+    import torch
+
+    from moebox.bench.synthetic import synthetic_weights
+    from moebox.config import parse_config
+    from moebox.model.deepseek_v4 import DeepseekV4
+    from moebox.weights.synth import preset_config
+    cfg = parse_config(preset_config("tiny"))
+    return cfg, DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).pop, qat=False, dtype=torch.float32,
+                           load_mtp=False)

@@ -17,19 +17,14 @@ from tests.interpreter import check_in_interpreter
 _SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     sys.path.insert(0, sys.argv[1])
-    from moebox.bench.synthetic import synthetic_weights
-    from moebox.config import parse_config
     from moebox.model.batch import FlatBatch
-    from moebox.model.deepseek_v4 import DeepseekV4
-    from moebox.weights.synth import preset_config
     import moebox.ops.triton.decode_attention as kernel
+    from tests.interpreter import tiny_model
 
     calls = []                                  # the kernel must really run: count its calls
     attend = kernel.attend_triton
     kernel.attend_triton = lambda *a, **kw: calls.append(1) or attend(*a, **kw)
-    cfg = parse_config(preset_config("tiny"))
-    model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).pop, qat=False, dtype=torch.float32,
-                       load_mtp=False)
+    cfg, model = tiny_model()
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     hidden = {}
     for switch in ("0", "1"):

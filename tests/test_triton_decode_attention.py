@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from moebox.model.decode_attention import attend
+from moebox.ops.attention import matmul_tf32
 from moebox.ops.triton import decode_attention as da
 from moebox.ops.triton.decode_attention import (AttendConfig, attend_decode, attend_reference, random_inputs,
                                                 resolve_config, supported)
@@ -291,12 +292,8 @@ def _fp32_reference(inp: dict) -> torch.Tensor:
     args = dict(inp, q=inp["q"].float(), ring=inp["ring"].to(kd), sink=inp["sink"].float())
     if inp.get("entries") is not None:
         args["entries"] = inp["entries"].to(kd)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with matmul_tf32(False):
         return attend_reference(**args)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _check(inp: dict, config: AttendConfig | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import moebox.ops.triton.fp8_linear as fp8_mod
+from moebox.ops.attention import matmul_tf32
 from moebox.ops.triton.fp8_linear import (BLOCK, GEMV_MAX_N, V4_FLASH_GROUPED, V4_FLASH_SHAPES, Fp8Config,
                                           fp8_grouped_linear, fp8_grouped_linear_reference, fp8_linear,
                                           fp8_linear_reference, pick_config, resolve_split)
@@ -262,12 +263,8 @@ def _check_gpu(w: QuantTensor, n: int, dtype: torch.dtype, config: Fp8Config | N
     out_f, in_f = w.data.shape
     if x is None:
         x = torch.randn(n, in_f, device="cuda").to(dtype)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with matmul_tf32(False):
         ref = fp8_linear_reference(x.float(), w)  # fp32 reference on the same inputs
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
     if tol is None:
         tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
     ys = []
@@ -548,12 +545,8 @@ def _check_gpu_grouped(w: QuantTensor, groups: int, n: int, dtype: torch.dtype, 
     rows = out_f // groups
     if x is None:
         x = torch.randn(n, groups, in_f, device="cuda").to(dtype)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with matmul_tf32(False):
         ref = fp8_grouped_linear_reference(x.float(), w, groups)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
     if tol is None:
         tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}[dtype]
     ys = []

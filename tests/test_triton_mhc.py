@@ -11,15 +11,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import textwrap
-from typing import Iterator
 
 import pytest
 import torch
 
 from moebox.ops import mhc
+from moebox.ops.attention import matmul_tf32
 from moebox.ops.mhc import hc_head, hc_head_reference, hc_post, hc_post_reference, hc_pre, hc_pre_reference
 
 from tests.interpreter import check_in_interpreter
@@ -178,17 +177,6 @@ def _poison_allocator() -> None:
     torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def _no_tf32() -> Iterator[None]:
-    """The fp32 reference must not use TF32 (F.linear in hc_pre)."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 def _assert_x_close(x: torch.Tensor, ref: torch.Tensor, X: torch.Tensor) -> None:
     """x = sum_j pre_j X[j] in X's dtype: elementwise within one ulp of X's dtype of the reference (both round
     fp32 sums that differ by fp32 rounding, so the cast may pick neighbours) plus that fp32 rounding, bounded by
@@ -206,7 +194,7 @@ def _check_pre(n: int, hc: int, hidden: int, dtype: torch.dtype, config=None, X:
     from moebox.ops.triton.mhc import hc_pre_triton
     X0, fn, base, scale = site(n, hc, hidden, dtype, "cuda", seed)
     X = X0 if X is None else X
-    with _no_tf32():
+    with matmul_tf32(False):
         ref = hc_pre_reference(X, fn, base, scale, **KW)
     first = None
     for _ in range(2):  # the second run into re-poisoned buffers: nothing stale, and bit-identical (deterministic)
@@ -257,7 +245,7 @@ def test_gpu_hc_post(shape: tuple, n: int, dtype: torch.dtype) -> None:
     half_ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8   # of the one final rounding, relative
     bound = half_ulp * exact.abs() + 2.0 ** -21 * mag + torch.finfo(dtype).tiny   # (+ fp16 subnormals)
     assert bool(((got.double() - exact).abs() <= bound).all()), float(((got.double() - exact).abs() / bound).max())
-    with _no_tf32():
+    with matmul_tf32(False):
         assert rel_err(got, hc_post_reference(out, X, post, comb)) < (1e-6 if dtype == torch.float32 else 1e-2)
     if hc > 2:  # (a 2 x 2 doubly stochastic matrix is symmetric)
         wrong = p[:, :, None] * out.double()[:, None, :] + torch.einsum("nkj,njh->nkh", c, X.double())
@@ -273,7 +261,7 @@ def test_gpu_hc_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
     from moebox.ops.triton.mhc import hc_head_triton
     _, hc, hidden = shape
     X, fn, base, scale = site(n, hc, hidden, dtype, "cuda", seed=n, head=True)
-    with _no_tf32():
+    with matmul_tf32(False):
         ref = hc_head_reference(X, fn, base, scale, eps=1e-6, norm_eps=1e-6)
     y = torch.full((n, hidden), float("nan"), device="cuda", dtype=dtype)
     _poison_allocator()
@@ -355,7 +343,7 @@ def test_gpu_cuda_graph_replay() -> None:
             o.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        with _no_tf32():
+        with matmul_tf32(False):
             refs = ref_step(X)
         for o, r in zip(outs, refs):
             assert torch.isfinite(o).all() and rel_err(o, r) < 1e-2, rel_err(o, r)

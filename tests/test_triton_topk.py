@@ -72,18 +72,13 @@ _SCRIPT = textwrap.dedent("""
             results.append(dict(case=[list(s.shape), k, chunk], same_buffer=True, finite=True, rel=0.0, ref_norm=1.0))
 
     # the tiny model's decode steps: the kernel's rows against torch's (same logits: no ties in these scores)
-    from moebox.bench.synthetic import synthetic_weights
-    from moebox.config import parse_config
     from moebox.model.batch import DecodeBatch, FlatBatch
-    from moebox.model.deepseek_v4 import DeepseekV4
-    from moebox.weights.synth import preset_config
+    from tests.interpreter import tiny_model
     calls = []
     kernel = topk.index_topk_triton
     topk.index_topk_triton = lambda *a: calls.append(1) or kernel(*a)
     os.environ.update(MOEBOX_ATTENTION_KERNEL="0", MOEBOX_COMPRESS_KERNEL="0", MOEBOX_PREFILL_ATTENTION_KERNEL="0")
-    cfg = parse_config(preset_config("tiny"))
-    model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).pop, qat=False, dtype=torch.float32,
-                       load_mtp=False)
+    cfg, model = tiny_model()
     ids = torch.randint(2, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     runs = {}
     for flag in ("1", "0"):

@@ -11,6 +11,17 @@ from moebox.ops.fuse import fused
 
 
 @contextlib.contextmanager
+def matmul_tf32(enabled: bool) -> Iterator[None]:
+    """torch's CUDA fp32 matmuls with TF32 tensor cores on or off for the duration, restored after."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@contextlib.contextmanager
 def tf32_products(q: torch.Tensor) -> Iterator[None]:
     """TF32 tensor cores for the fp32 products of a bf16/fp16 attention on CUDA. The scores are products of
     bf16/fp16 values, which TF32 holds exactly (11 significant bits), so q.k stays exact in fp32 and only the
@@ -19,12 +30,8 @@ def tf32_products(q: torch.Tensor) -> Iterator[None]:
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or torch.compiler.is_compiling():
         yield
         return
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
+    with matmul_tf32(True):
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def sink_attention(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,

@@ -111,11 +111,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M: tl.constexpr):
-        """The program's block of slots: its expert (E past the last used block), slots, pair ids, real pairs."""
+        """The program's block of slots: its expert (int64; E past the last used block), slots, pair ids, real
+        pairs."""
         blk = tl.program_id(0)
         slot = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(slots_ptr + slot)
-        return tl.load(bexp_ptr + blk), slot, pair, pair < n_pairs
+        return tl.load(bexp_ptr + blk).to(tl.int64), slot, pair, pair < n_pairs
 
     @triton.jit
     def _out_columns(size, BLOCK_N: tl.constexpr):
@@ -141,7 +142,6 @@ if HAVE_TRITON:
         e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
-        e = e.to(tl.int64)
         tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
         rows, row_ok, rows_c = _out_columns(I, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
@@ -167,7 +167,6 @@ if HAVE_TRITON:
         e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
-        e = e.to(tl.int64)
         cols, col_ok, cols_c = _out_columns(H, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -200,7 +199,6 @@ if HAVE_TRITON:
         e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
-        e = e.to(tl.int64)
         tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
         rows, row_ok, rows_c = _out_columns(I, BLOCK_N)
         c_off = e * c_es + rows_c[:, None] * (H // 4) + tl.arange(0, 8)[None, :]
@@ -230,7 +228,6 @@ if HAVE_TRITON:
         e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
-        e = e.to(tl.int64)
         cols, col_ok, cols_c = _out_columns(H, BLOCK_N)
         c_off = e * c_es + cols_c[:, None] * (I // 4) + tl.arange(0, 8)[None, :]
         s_off = e * s_es + cols_c * (I // 32)
