@@ -17,12 +17,14 @@
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
 #   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
+#   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
+#   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
 #   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in
 #                                       # the background (their logs and model parts under $OUT/gpu0) while
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|experts|decode|ab|train|copycheck|spec|pair}
+phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|experts|ncu|profile|decode|ab|train|copycheck|spec|pair}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/$phase.log"
@@ -50,6 +52,15 @@ tests)
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
     step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
+    ;;
+ncu)                          # hardware counters: DRAM throughput, stall reasons, occupancy of each launch
+    step ncu env MOEBOX_PDL=0 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-mma_kernel|fp8_gemv}" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats python3 -m bench.kernel_probe
+    ;;
+profile)                      # per-kernel device time of a decode step (PROFILE_BATCH: the batch size)
+    step profile env MOEBOX_PDL=0 python3 -m moebox.bench.decode decode --context 4096 \
+        --batch "${PROFILE_BATCH:-1}" --kernels 60 --no-breakdown
     ;;
 kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
