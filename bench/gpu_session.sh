@@ -56,7 +56,8 @@ experts)                      # the routed-expert decode kernels' sweep alone
 ncu)                          # hardware counters: DRAM throughput, stall reasons, occupancy of each launch
     step ncu env MOEBOX_PDL=0 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-mma_kernel|fp8_gemv}" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats python3 -m bench.kernel_probe
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
+        --section SourceCounters python3 -m bench.kernel_probe
     ;;
 profile)                      # per-kernel device time of a decode step (PROFILE_BATCH: the batch size)
     step profile env MOEBOX_PDL=0 python3 -m moebox.bench.decode decode --context 4096 \

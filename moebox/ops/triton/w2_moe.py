@@ -119,9 +119,12 @@ class DecodeConfig:
     gate_split: int = 2
     down_split: int = 8
     prefetch: int = 2
+    gate_tiles: int = 1
+    down_tiles: int = 1
 
     def __post_init__(self) -> None:
-        pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
+        pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words,
+                self.gate_tiles, self.down_tiles)
         if self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or any(v < 1 or v & (v - 1)
                                                                                      for v in pow2):
             raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, blocks powers of two")
@@ -317,21 +320,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _plain_word_dot(cw, sb, xw_ptr, T: tl.constexpr, TERM_STRIDE: tl.constexpr):
-        """The same values without inline asm (Triton's interpreter): per element, word cw at scale byte sb
-        against x given as T bf16 terms of its 8 pairs at xw_ptr + tau * TERM_STRIDE + j -> fp32 dot."""
-        j = tl.arange(0, 8)[None, None, :]
-        c = cw[:, :, None] >> (2 * (j + (j & 4)))   # pair j: codes j + (j & 4) (low half) and 4 more (high)
-        lut = ((sb >> 1) * 0x01010101 + 0x01008081)[:, :, None]
-        low = ((sb & 1) << 23)[:, :, None]
+        """The same values without inline asm (Triton's interpreter): per element of the [M, 16S, 16] tile,
+        word cw at scale byte sb against x given as T bf16 terms of its 8 pairs at xw_ptr + tau * TERM_STRIDE + j
+        (xw_ptr [1, 16S, 16]: the same x for every m-tile) -> fp32 dot."""
+        j = tl.arange(0, 8)[None, None, None, :]
+        c = cw[:, :, :, None] >> (2 * (j + (j & 4)))   # pair j: codes j + (j & 4) (low half), 4 more (high)
+        lut = ((sb >> 1) * 0x01010101 + 0x01008081)[:, :, :, None]
+        low = ((sb & 1) << 23)[:, :, :, None]
         v_lo = ((((lut >> (8 * (c & 3))) & 0xFF) << 24) | low).to(tl.float32, bitcast=True)
         v_hi = ((((lut >> (8 * ((c >> 8) & 3))) & 0xFF) << 24) | low).to(tl.float32, bitcast=True)
-        x_lo = tl.zeros(v_lo.shape, dtype=tl.float32)
-        x_hi = tl.zeros(v_lo.shape, dtype=tl.float32)
+        x_lo = tl.zeros(xw_ptr[:, :, :, None].shape, dtype=tl.float32) + tl.zeros(j.shape, dtype=tl.float32)
+        x_hi = tl.zeros(x_lo.shape, dtype=tl.float32)
         for tau in tl.static_range(T):
-            v = tl.load(xw_ptr[:, :, None] + tau * TERM_STRIDE + j)
+            v = tl.load(xw_ptr[:, :, :, None] + tau * TERM_STRIDE + j)
             x_lo += (v << 16).to(tl.float32, bitcast=True)
             x_hi += (v & -65536).to(tl.float32, bitcast=True)
-        return tl.sum(v_lo * x_lo + v_hi * x_hi, axis=2)
+        return tl.sum(v_lo * x_lo + v_hi * x_hi, axis=3)
 
     @triton.jit
     def _store_bf16_terms(ptr16, off, v, T: tl.constexpr, TERM_STRIDE):
@@ -345,20 +349,31 @@ if HAVE_TRITON:
             r = r - (bits << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _tile_coords(S: tl.constexpr):
-        """Row decomposition of the [16S, 16] word tile: tile row r2 = rho * 8S + s * 8 + g, where g is the
-        lane group (the mma fragment row), s the warp (its share of K) and rho the rep (rows g / g + 8)."""
-        r2 = tl.arange(0, 16 * S)[:, None]
-        w = tl.arange(0, 16)[None, :]
-        return r2 % 8, (r2 // 8) % S, r2 // (8 * S), w
+    def _tile_coords(M: tl.constexpr, S: tl.constexpr):
+        """Coordinates of the [M, 16S, 16] word tile: m-tile m (16 rows of the output each), tile row
+        r2 = rho * 8S + s * 8 + g, where g is the lane group (the mma fragment row), s the warp (its share of K)
+        and rho the rep (rows g / g + 8), and word w. Returns m [M, 1, 1], g, s, rho [1, 16S, 1], w [1, 1, 16]."""
+        m = tl.arange(0, M)[:, None, None]
+        r2 = tl.arange(0, 16 * S)[None, :, None]
+        w = tl.arange(0, 16)[None, None, :]
+        return m, r2 % 8, (r2 // 8) % S, r2 // (8 * S), w
 
     @triton.jit
-    def _reduce_tile(acc, T: tl.constexpr, S: tl.constexpr, USE_ASM: tl.constexpr):
-        """acc [16S, 16] -> [2, 8] (rep, lane group): the sum over words, warps and the T term columns."""
-        w = tl.arange(0, 16)[None, :]
+    def _reduce_tile(acc, T: tl.constexpr, S: tl.constexpr, M: tl.constexpr, USE_ASM: tl.constexpr):
+        """acc [M, 16S, 16] -> [M, 2, 8] (m-tile, rep, lane group): the sum over words, warps and the T term
+        columns."""
+        w = tl.arange(0, 16)[None, None, :]
         if USE_ASM:   # slot w of lane t holds mma column 2t + w % 2; columns >= T are other lanes' copies
             acc = tl.where(2 * (w // 4) + (w % 2) < T, acc, 0.0)
-        return tl.sum(tl.reshape(tl.sum(acc, axis=1), (2, S, 8)), axis=1)
+        return tl.sum(tl.reshape(tl.sum(acc, axis=2), (M, 2, S, 8)), axis=2)
+
+    @triton.jit
+    def _x_frags(xb, M: tl.constexpr):
+        """The B fragments of a K step (x or h pairs at xb [1, 16S, 16]), loaded once and shared by the M
+        m-tiles: four [M, 16S, 16] int32 tensors."""
+        shape: tl.constexpr = (M, xb.shape[1], xb.shape[2])
+        return (tl.broadcast_to(tl.load(xb), shape), tl.broadcast_to(tl.load(xb + 8), shape),
+                tl.broadcast_to(tl.load(xb + 16), shape), tl.broadcast_to(tl.load(xb + 24), shape))
 
     @triton.jit
     def _pack_x_kernel(x_ptr, xp_ptr, x_row_stride, KW: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
@@ -383,16 +398,17 @@ if HAVE_TRITON:
     def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
-                            TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
+                            TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr, M: tl.constexpr,
                             PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
-        rw = tl.program_id(1)                       # 16 rows of I: one word of h
+        rw = tl.program_id(1)                       # M m-tiles of 16 rows of I: words M rw .. of h
         t = p // K
         e = tl.load(ids_ptr + p).to(tl.int64)
-        g, sp, rho, w = _tile_coords(S)
+        m, g, sp, rho, w = _tile_coords(M, S)
         r = 8 * rho + g
-        row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
+        # tile row r = 2 j + half -> h row of pair j
+        row = 16 * (M * rw + m) + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)
         c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
         if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
             s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
@@ -401,8 +417,8 @@ if HAVE_TRITON:
             s_row = e * s_expert_stride + row * (HW // 2) + w // 2
             x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + 8 * w + 0 * g
         LAST: tl.constexpr = HW // 16 - 1
-        acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
-        acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
+        acc_g = tl.zeros((M, 16 * S, 16), dtype=tl.float32)
+        acc_u = tl.zeros((M, 16 * S, 16), dtype=tl.float32)
         # warp s takes K tiles s, s + S, ...; the loads of the tile PREFETCH steps ahead are issued before
         # this tile's math (Triton does not pipeline loads in loops without tl.dot)
         c1, s1, c3, s3, wb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp, LAST)
@@ -412,11 +428,7 @@ if HAVE_TRITON:
             n1, m1, n3, m3, nb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row,
                                              u0 + PREFETCH * S + sp, LAST)
             if USE_ASM:
-                xb = x_row + wb * 8
-                x0 = tl.load(xb)
-                x1 = tl.load(xb + 8)
-                x2 = tl.load(xb + 16)
-                x3 = tl.load(xb + 24)
+                x0, x1, x2, x3 = _x_frags(x_row + wb * 8, M)
                 acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g)
                 acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u)
             else:
@@ -427,15 +439,16 @@ if HAVE_TRITON:
                 d1, e1, d3, e3, db = n1, m1, n3, m3, nb
             else:
                 c1, s1, c3, s3, wb = n1, m1, n3, m3, nb
-        gate = _reduce_tile(acc_g, TX, S, USE_ASM)
-        up = _reduce_tile(acc_u, TX, S, USE_ASM)
+        gate = _reduce_tile(acc_g, TX, S, M, USE_ASM)
+        up = _reduce_tile(acc_u, TX, S, M, USE_ASM)
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
         h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
         IW: tl.constexpr = I // 16
-        r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]
-        _store_bf16_terms(hp_ptr, (p.to(tl.int64) * TH * IW + rw) * 16 + r_out, h, TH, IW * 16)
+        word = M * rw + tl.arange(0, M)[:, None, None]
+        r_out = 8 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 8)[None, None, :]
+        _store_bf16_terms(hp_ptr, (p.to(tl.int64) * TH * IW + word) * 16 + r_out, h, TH, IW * 16)
 
     @triton.jit
     def _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride, t, u,
@@ -451,13 +464,13 @@ if HAVE_TRITON:
     @triton.jit
     def _down_mma_kernel(hp_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr,
                          out_row_stride, c_expert_stride, s_expert_stride,
-                         IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
+                         IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr, M: tl.constexpr,
                          PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         t = tl.program_id(0)
-        rb = tl.program_id(1)
-        g, sp, rho, w = _tile_coords(S)
-        row = 16 * rb + 8 * rho + g
+        rb = tl.program_id(1)                       # M m-tiles of 16 rows of H
+        m, g, sp, rho, w = _tile_coords(M, S)
+        row = 16 * (M * rb + m) + 8 * rho + g
         TILES: tl.constexpr = IW // 16
         c_row = row.to(tl.int64) * IW + w
         if USE_ASM:
@@ -466,7 +479,7 @@ if HAVE_TRITON:
         else:
             s_row = row * (IW // 2) + w // 2
             x_col = 8 * w + 0 * g
-        acc = tl.zeros((16 * S, 16), dtype=tl.float32)
+        acc = tl.zeros((M, 16 * S, 16), dtype=tl.float32)
         # units (expert j, K tile): warp s takes units s, s + S, ...; loads PREFETCH units ahead
         c, s, p, wb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride,
                                   t, sp, K, TILES)
@@ -478,10 +491,7 @@ if HAVE_TRITON:
                                           s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES)
             xb = hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8
             if USE_ASM:
-                x0 = tl.load(xb)
-                x1 = tl.load(xb + 8)
-                x2 = tl.load(xb + 16)
-                x3 = tl.load(xb + 24)
+                x0, x1, x2, x3 = _x_frags(xb, M)
                 acc = _mma_word_dot(c, s, x0, x1, x2, x3, acc)
             else:
                 acc += _plain_word_dot(c, s.to(tl.int32), xb, TH, IW * 8)
@@ -490,8 +500,9 @@ if HAVE_TRITON:
                 dc, ds, dp, db = nc, ns, np_, nb
             else:
                 c, s, p, wb = nc, ns, np_, nb
-        y = _reduce_tile(acc, TH, S, USE_ASM)
-        r_out = 16 * rb + 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]
+        y = _reduce_tile(acc, TH, S, M, USE_ASM)
+        r_out = (16 * (M * rb + tl.arange(0, M)[:, None, None]) + 8 * tl.arange(0, 2)[None, :, None]
+                 + tl.arange(0, 8)[None, None, :])
         tl.store(out_ptr + t.to(tl.int64) * out_row_stride + r_out, y.to(out_ptr.dtype.element_ty))
 
 
@@ -554,16 +565,18 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
                                          num_warps=4, **pdl)
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
-    _gate_up_mma_kernel[(pairs, iw)](
+    gate_tiles = _pow2_block(cfg.gate_tiles, iw)
+    _gate_up_mma_kernel[(pairs, iw // gate_tiles)](
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
-        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm,
+        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, M=gate_tiles,
+        PREFETCH=cfg.prefetch, USE_ASM=use_asm,
         num_warps=gate_split, num_stages=1, **pdl)
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
-    _down_mma_kernel[(n, hw)](
+    down_tiles = _pow2_block(cfg.down_tiles, hw)
+    _down_mma_kernel[(n, hw // down_tiles)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
+        IW=iw, K=k, TH=th, S=down_split, M=down_tiles, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
         num_warps=down_split, num_stages=1, **pdl)
 
 
@@ -734,7 +747,7 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
+def sass_report(kernel: str, split: int, prefetch: int = 2, tiles: int = 1) -> dict:
     """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
@@ -750,7 +763,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
-    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, PDL=False)
+    const.update(S=split, M=tiles, PREFETCH=prefetch, USE_ASM=True, PDL=False)
     names = fn.arg_names
     sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
     aligned = [(names.index(a),) for a, ty in zip(names, types) if ty != "fp32"]
@@ -765,16 +778,18 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
     ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
     # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
-    weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if looped else steps)
-    return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": layout,
+    weights = (2 if kernel == "gate_up" else 1) * 128 * tiles * (prefetch if looped else steps)
+    return {"kernel": kernel, "split": split, "prefetch": prefetch, "tiles": tiles, "asm_layout": layout,
             "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
             "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
 
 
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
-    [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
-     for g, d, p in ((2, 8, 2), (4, 8, 2), (4, 8, 1), (8, 8, 2), (4, 4, 2), (4, 16, 2), (8, 16, 1))]
+    [(f"mma g{g}m{gm} d{d}m{dm} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p, gate_tiles=gm,
+                                                  down_tiles=dm))
+     for g, gm, d, dm, p in ((2, 1, 8, 1, 2), (4, 1, 8, 1, 2), (2, 2, 8, 2, 1), (4, 2, 8, 2, 1), (2, 2, 16, 2, 1),
+                             (2, 2, 8, 4, 1), (4, 2, 16, 4, 1), (2, 1, 8, 2, 1))]
     + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
