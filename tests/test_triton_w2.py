@@ -196,9 +196,9 @@ def test_mma_kernels_build_for_sm90() -> None:
                                            ("gate_up", 2, 1, 2), ("down", 8, 1, 4)):
         rep = sass_report(kernel, split, prefetch, tiles)
         # the asm's 8-element packs must be one lane's 4 words x 2 rows of one m-tile, lanes 4 g + t as in
-        # mma.sync fragments; the m-tiles are register repeats of the same layout (x loaded once for them)
-        assert rep["asm_layout"] == {"sizePerThread": [1, 1, 4], "threadsPerWarp": [1, 8, 4],
-                                     "warpsPerCTA": [1, split, 1], "order": [2, 1, 0]}, rep
+        # mma.sync fragments; the m-tiles are further row repeats of the same layout
+        assert rep["asm_layout"] == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4],
+                                     "warpsPerCTA": [split, 1], "order": [1, 0]}, rep
         assert rep["loop_converts"] == 0 and rep["spills"] == 0, rep
         # per K step: 2 code + 2 scale loads per matrix and m-tile, 8 x (h) fragment loads whatever the m-tiles,
         # and down's expert id

@@ -320,22 +320,21 @@ if HAVE_TRITON:
 
     @triton.jit
     def _plain_word_dot(cw, sb, xw_ptr, T: tl.constexpr, TERM_STRIDE: tl.constexpr):
-        """The same values without inline asm (Triton's interpreter): per element of the [M, 16S, 16] tile,
-        word cw at scale byte sb against x given as T bf16 terms of its 8 pairs at xw_ptr + tau * TERM_STRIDE + j
-        (xw_ptr [1, 16S, 16]: the same x for every m-tile) -> fp32 dot."""
-        j = tl.arange(0, 8)[None, None, None, :]
-        c = cw[:, :, :, None] >> (2 * (j + (j & 4)))   # pair j: codes j + (j & 4) (low half), 4 more (high)
-        lut = ((sb >> 1) * 0x01010101 + 0x01008081)[:, :, :, None]
-        low = ((sb & 1) << 23)[:, :, :, None]
+        """The same values without inline asm (Triton's interpreter): per element, word cw at scale byte sb
+        against x given as T bf16 terms of its 8 pairs at xw_ptr + tau * TERM_STRIDE + j -> fp32 dot."""
+        j = tl.arange(0, 8)[None, None, :]
+        c = cw[:, :, None] >> (2 * (j + (j & 4)))   # pair j: codes j + (j & 4) (low half) and 4 more (high)
+        lut = ((sb >> 1) * 0x01010101 + 0x01008081)[:, :, None]
+        low = ((sb & 1) << 23)[:, :, None]
         v_lo = ((((lut >> (8 * (c & 3))) & 0xFF) << 24) | low).to(tl.float32, bitcast=True)
         v_hi = ((((lut >> (8 * ((c >> 8) & 3))) & 0xFF) << 24) | low).to(tl.float32, bitcast=True)
-        x_lo = tl.zeros(xw_ptr[:, :, :, None].shape, dtype=tl.float32) + tl.zeros(j.shape, dtype=tl.float32)
-        x_hi = tl.zeros(x_lo.shape, dtype=tl.float32)
+        x_lo = tl.zeros(v_lo.shape, dtype=tl.float32)
+        x_hi = tl.zeros(v_lo.shape, dtype=tl.float32)
         for tau in tl.static_range(T):
-            v = tl.load(xw_ptr[:, :, :, None] + tau * TERM_STRIDE + j)
+            v = tl.load(xw_ptr[:, :, None] + tau * TERM_STRIDE + j)
             x_lo += (v << 16).to(tl.float32, bitcast=True)
             x_hi += (v & -65536).to(tl.float32, bitcast=True)
-        return tl.sum(v_lo * x_lo + v_hi * x_hi, axis=3)
+        return tl.sum(v_lo * x_lo + v_hi * x_hi, axis=2)
 
     @triton.jit
     def _store_bf16_terms(ptr16, off, v, T: tl.constexpr, TERM_STRIDE):
@@ -350,30 +349,29 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tile_coords(M: tl.constexpr, S: tl.constexpr):
-        """Coordinates of the [M, 16S, 16] word tile: m-tile m (16 rows of the output each), tile row
-        r2 = rho * 8S + s * 8 + g, where g is the lane group (the mma fragment row), s the warp (its share of K)
-        and rho the rep (rows g / g + 8), and word w. Returns m [M, 1, 1], g, s, rho [1, 16S, 1], w [1, 1, 16]."""
-        m = tl.arange(0, M)[:, None, None]
-        r2 = tl.arange(0, 16 * S)[None, :, None]
-        w = tl.arange(0, 16)[None, None, :]
-        return m, r2 % 8, (r2 // 8) % S, r2 // (8 * S), w
+        """Coordinates of the [2MS * 8, 16] word tile: tile row r2 = q * 8S + s * 8 + g, where g is the lane
+        group (the mma fragment row), s the warp (its share of K) and q the lane's q-th pair of rows: m-tile
+        m = q // 2 (16 rows of the output each), rep rho = q % 2 (rows g / g + 8); w the word. The rows of a lane
+        are one repeated dimension, so the asm's packs of 8 (4 words x 2 reps) are (m, rho = 0, 1) in any
+        Triton's register order. Returns m, g, s, rho [16MS, 1] and w [1, 16]."""
+        r2 = tl.arange(0, 16 * M * S)[:, None]
+        q = r2 // (8 * S)
+        return q // 2, r2 % 8, (r2 // 8) % S, q % 2, tl.arange(0, 16)[None, :]
 
     @triton.jit
     def _reduce_tile(acc, T: tl.constexpr, S: tl.constexpr, M: tl.constexpr, USE_ASM: tl.constexpr):
-        """acc [M, 16S, 16] -> [M, 2, 8] (m-tile, rep, lane group): the sum over words, warps and the T term
+        """acc [16MS, 16] -> [M, 2, 8] (m-tile, rep, lane group): the sum over words, warps and the T term
         columns."""
-        w = tl.arange(0, 16)[None, None, :]
+        w = tl.arange(0, 16)[None, :]
         if USE_ASM:   # slot w of lane t holds mma column 2t + w % 2; columns >= T are other lanes' copies
             acc = tl.where(2 * (w // 4) + (w % 2) < T, acc, 0.0)
-        return tl.sum(tl.reshape(tl.sum(acc, axis=2), (M, 2, S, 8)), axis=2)
+        return tl.sum(tl.reshape(tl.sum(acc, axis=1), (M, 2, S, 8)), axis=2)
 
     @triton.jit
-    def _x_frags(xb, M: tl.constexpr):
-        """The B fragments of a K step (x or h pairs at xb [1, 16S, 16]), loaded once and shared by the M
-        m-tiles: four [M, 16S, 16] int32 tensors."""
-        shape: tl.constexpr = (M, xb.shape[1], xb.shape[2])
-        return (tl.broadcast_to(tl.load(xb), shape), tl.broadcast_to(tl.load(xb + 8), shape),
-                tl.broadcast_to(tl.load(xb + 16), shape), tl.broadcast_to(tl.load(xb + 24), shape))
+    def _x_frags(xb):
+        """The B fragments of a K step: x (or h) pairs at xb, whose address does not depend on the m-tile, so
+        the compiler loads them once for all m-tiles (the sm_90 build test counts the loads)."""
+        return tl.load(xb), tl.load(xb + 8), tl.load(xb + 16), tl.load(xb + 24)
 
     @triton.jit
     def _pack_x_kernel(x_ptr, xp_ptr, x_row_stride, KW: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
@@ -417,8 +415,8 @@ if HAVE_TRITON:
             s_row = e * s_expert_stride + row * (HW // 2) + w // 2
             x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + 8 * w + 0 * g
         LAST: tl.constexpr = HW // 16 - 1
-        acc_g = tl.zeros((M, 16 * S, 16), dtype=tl.float32)
-        acc_u = tl.zeros((M, 16 * S, 16), dtype=tl.float32)
+        acc_g = tl.zeros((16 * M * S, 16), dtype=tl.float32)
+        acc_u = tl.zeros((16 * M * S, 16), dtype=tl.float32)
         # warp s takes K tiles s, s + S, ...; the loads of the tile PREFETCH steps ahead are issued before
         # this tile's math (Triton does not pipeline loads in loops without tl.dot)
         c1, s1, c3, s3, wb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp, LAST)
@@ -428,7 +426,7 @@ if HAVE_TRITON:
             n1, m1, n3, m3, nb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row,
                                              u0 + PREFETCH * S + sp, LAST)
             if USE_ASM:
-                x0, x1, x2, x3 = _x_frags(x_row + wb * 8, M)
+                x0, x1, x2, x3 = _x_frags(x_row + wb * 8)
                 acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g)
                 acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u)
             else:
@@ -446,7 +444,7 @@ if HAVE_TRITON:
             up = tl.minimum(tl.maximum(up, -limit), limit)
         h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
         IW: tl.constexpr = I // 16
-        word = M * rw + tl.arange(0, M)[:, None, None]
+        word = M * rw + tl.arange(0, M)[:, None, None]   # h word (16 rows) of m-tile m
         r_out = 8 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 8)[None, None, :]
         _store_bf16_terms(hp_ptr, (p.to(tl.int64) * TH * IW + word) * 16 + r_out, h, TH, IW * 16)
 
@@ -471,6 +469,7 @@ if HAVE_TRITON:
         rb = tl.program_id(1)                       # M m-tiles of 16 rows of H
         m, g, sp, rho, w = _tile_coords(M, S)
         row = 16 * (M * rb + m) + 8 * rho + g
+        sp = sp + 0 * w   # the unit's expert id and offsets as full tiles: no [rows, 1] tensors between layouts
         TILES: tl.constexpr = IW // 16
         c_row = row.to(tl.int64) * IW + w
         if USE_ASM:
@@ -479,7 +478,7 @@ if HAVE_TRITON:
         else:
             s_row = row * (IW // 2) + w // 2
             x_col = 8 * w + 0 * g
-        acc = tl.zeros((M, 16 * S, 16), dtype=tl.float32)
+        acc = tl.zeros((16 * M * S, 16), dtype=tl.float32)
         # units (expert j, K tile): warp s takes units s, s + S, ...; loads PREFETCH units ahead
         c, s, p, wb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride,
                                   t, sp, K, TILES)
@@ -491,7 +490,7 @@ if HAVE_TRITON:
                                           s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES)
             xb = hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8
             if USE_ASM:
-                x0, x1, x2, x3 = _x_frags(xb, M)
+                x0, x1, x2, x3 = _x_frags(xb)
                 acc = _mma_word_dot(c, s, x0, x1, x2, x3, acc)
             else:
                 acc += _plain_word_dot(c, s.to(tl.int32), xb, TH, IW * 8)
