@@ -319,6 +319,19 @@ if HAVE_TRITON:
         return out.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _pair_offset(j):
+        """int32 offset of pair j of a word from the word's slot of pair 0 (see `_pair_slot`)."""
+        return 16 * (j // 4) + j % 4
+
+    @triton.jit
+    def _pair_slot(w, j):
+        """int32 slot of pair j (0..7) of word w of x or h in the pair layout: in each K tile of 16 words (128
+        slots), word 4 t + i, pair 4 rho + jj sits at 32 i + 16 rho + 4 t + jj, so the 4 lanes t that load
+        one B fragment register set (word i, rep rho) read 64 contiguous bytes: one L1 line per load, not 4."""
+        wl = w % 16
+        return (w // 16) * 128 + 32 * (wl % 4) + 4 * (wl // 4) + _pair_offset(j)
+
+    @triton.jit
     def _plain_word_dot(cw, sb, xw_ptr, T: tl.constexpr, TERM_STRIDE: tl.constexpr):
         """The same values without inline asm (Triton's interpreter): per element, word cw at scale byte sb
         against x given as T bf16 terms of its 8 pairs at xw_ptr + tau * TERM_STRIDE + j -> fp32 dot."""
@@ -331,7 +344,7 @@ if HAVE_TRITON:
         x_lo = tl.zeros(v_lo.shape, dtype=tl.float32)
         x_hi = tl.zeros(v_lo.shape, dtype=tl.float32)
         for tau in tl.static_range(T):
-            v = tl.load(xw_ptr[:, :, None] + tau * TERM_STRIDE + j)
+            v = tl.load(xw_ptr[:, :, None] + tau * TERM_STRIDE + _pair_offset(j))
             x_lo += (v << 16).to(tl.float32, bitcast=True)
             x_hi += (v & -65536).to(tl.float32, bitcast=True)
         return tl.sum(v_lo * x_lo + v_hi * x_hi, axis=2)
@@ -371,7 +384,7 @@ if HAVE_TRITON:
     def _x_frags(xb):
         """The B fragments of a K step: x (or h) pairs at xb, whose address does not depend on the m-tile, so
         the compiler loads them once for all m-tiles (the sm_90 build test counts the loads)."""
-        return tl.load(xb), tl.load(xb + 8), tl.load(xb + 16), tl.load(xb + 24)
+        return tl.load(xb), tl.load(xb + 32), tl.load(xb + 64), tl.load(xb + 96)
 
     @triton.jit
     def _pack_x_kernel(x_ptr, xp_ptr, x_row_stride, KW: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
@@ -382,7 +395,8 @@ if HAVE_TRITON:
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + k).to(tl.float32)
         c = k % 16
-        pos = (k - c) + 2 * (c & 3) + 8 * (c >> 3) + ((c >> 2) & 1)   # column c -> pair (c & 3) + 4 (c >> 3)
+        # column c of word w -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1
+        pos = 2 * _pair_slot(k // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
         _store_bf16_terms(xp_ptr, n.to(tl.int64) * (T * KW * 16) + pos, v, T, KW * 16)
 
     @triton.jit
@@ -410,10 +424,10 @@ if HAVE_TRITON:
         c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
         if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
             s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
-            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 32 * (w // 4) + 4 * rho + w % 4
+            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
         else:
             s_row = e * s_expert_stride + row * (HW // 2) + w // 2
-            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + 8 * w + 0 * g
+            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
         LAST: tl.constexpr = HW // 16 - 1
         acc_g = tl.zeros((16 * M * S, 16), dtype=tl.float32)
         acc_u = tl.zeros((16 * M * S, 16), dtype=tl.float32)
@@ -446,7 +460,8 @@ if HAVE_TRITON:
         IW: tl.constexpr = I // 16
         word = M * rw + tl.arange(0, M)[:, None, None]   # h word (16 rows) of m-tile m
         r_out = 8 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 8)[None, None, :]
-        _store_bf16_terms(hp_ptr, (p.to(tl.int64) * TH * IW + word) * 16 + r_out, h, TH, IW * 16)
+        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(word, r_out // 2) + r_out % 2, h,
+                          TH, IW * 16)
 
     @triton.jit
     def _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride, t, u,
@@ -469,15 +484,16 @@ if HAVE_TRITON:
         rb = tl.program_id(1)                       # M m-tiles of 16 rows of H
         m, g, sp, rho, w = _tile_coords(M, S)
         row = 16 * (M * rb + m) + 8 * rho + g
-        sp = sp + 0 * w   # the unit's expert id and offsets as full tiles: no [rows, 1] tensors between layouts
+        if M > 1:   # the unit's expert id and offsets as full tiles: else the compiler moves [rows, 1] tensors
+            sp = sp + 0 * w   # between layouts in the loop (with M = 1 this costs 16-22 registers instead)
         TILES: tl.constexpr = IW // 16
         c_row = row.to(tl.int64) * IW + w
         if USE_ASM:
             s_row = row * (IW // 2) + 2 * (w // 4) + (w % 2)
-            x_col = tl.minimum(g, TH - 1) * (IW * 8) + 32 * (w // 4) + 4 * rho + w % 4
+            x_col = tl.minimum(g, TH - 1) * (IW * 8) + 16 * rho + w
         else:
             s_row = row * (IW // 2) + w // 2
-            x_col = 8 * w + 0 * g
+            x_col = _pair_slot(w, 0) + 0 * g
         acc = tl.zeros((16 * M * S, 16), dtype=tl.float32)
         # units (expert j, K tile): warp s takes units s, s + S, ...; loads PREFETCH units ahead
         c, s, p, wb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride,
