@@ -14,10 +14,7 @@ import torch
 
 from moebox.ops.triton.fp8_linear import V4_FLASH_SHAPES, fp8_linear_triton, random_fp8_weight
 from moebox.ops.triton.runtime import bench_start
-from moebox.ops.triton.w2_moe import DEFAULT_CONFIG, DecodeConfig, random_planes, random_routing, w2_moe_decode_triton
-
-# the expert kernels' default, and programs of two m-tiles sharing each K step's x (or h) fragments
-EXPERT_CONFIGS = (DEFAULT_CONFIG, DecodeConfig(gate_tiles=2, down_tiles=2, prefetch=1))
+from moebox.ops.triton.w2_moe import random_planes, random_routing, w2_moe_decode_triton
 
 
 def main() -> None:
@@ -27,9 +24,8 @@ def main() -> None:
     for n in (1, 8):
         ids, w = random_routing(n, 256, 6, device=device, seed=n)
         x = torch.randn((n, 4096), device=device, dtype=torch.bfloat16)
-        for cfg in EXPERT_CONFIGS:
-            for _ in range(2):
-                w2_moe_decode_triton(x, ids, w, *planes, 10.0, config=cfg)
+        for _ in range(2):
+            w2_moe_decode_triton(x, ids, w, *planes, 10.0)
     del planes
     for name, out_f, in_f in V4_FLASH_SHAPES:
         if name in ("wq_b", "wo_b", "wq_a"):

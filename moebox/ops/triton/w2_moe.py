@@ -45,8 +45,12 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   0x01008081 (4 ops per row and 32 columns; exact for scale bytes s <= 252). The selectors of a word are 4
   masked shifts ((cw << 4|2|0, >> 2) & 0x30303030 | 0x40404040) and their >> 16: pair j of a word holds codes
   c = j + (j & 4) (low half) and c + 4 (high half). Per word: 7 + 4 + 8 = 19 integer ops for 16 weights, plus
-  4 HMMA per 2 rows. Pair layout of x and h (int32 bf16x2, [token or pair, term, word, pair j]) matches it,
-  so each lane loads its B fragments with 16-byte loads; h rows are computed in that order.
+  4 HMMA per 2 rows. Pair layout of x and h (int32 bf16x2 [token or pair, term, K tile of 16 words, 128
+  slots], `_pair_slot`): in a K tile, pair 4 rho + jj of word 4 t + i is at slot 32 i + 16 rho + 4 t + jj, so
+  each B-fragment load (word i, rep rho) is one 16-byte load a lane and the 4 lanes t read 64 contiguous bytes.
+  The plain [word, pair] order had them 128 bytes apart: 4 L1 lines a load, and ncu showed the kernels L1-bound
+  (L1/TEX 70-95% of peak against 19-40% of DRAM); the tiled order cut down's time at N = 8 from 98 to 65 us
+  (docs/benchmarks.md, ninth session). h rows are computed in that order.
   Loads: the code/scale tiles of the step `prefetch` (1 or 2) steps ahead are issued before this step's math
   (loop unrolled by 2 for depth 2, no register copies); x/h come from L2/L1 in the step.
   SASS of the loop body (sm_90, bf16 x, gate_split 4 / down_split 8, prefetch 2; Triton 3.6 and 3.9 agree
@@ -62,8 +66,12 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   Triton's interpreter cannot run inline asm: there (TRITON_INTERPRET=1) the same kernels run `_plain_word_dot`,
   the same arithmetic in plain Triton on the same pair layout, scale bytes and bf16 terms (all terms of a word
   per element, so the per-lane term columns and the mask go).
-  Next: group the (token, expert) pairs by expert for N > 1 (the mma has 8 columns: up to 8/T tokens of one
-  expert per unpack; the ALU work per call would then follow the distinct experts, not the pairs).
+  Tried and dropped (ninth session): programs of 2-4 m-tiles (16 rows each) sharing each step's x fragments.
+  Once the fragments came one L1 line a load they lost at every N (more registers, fewer programs).
+  Next: gate-up is now issue-bound (ncu at N = 8: 67% SM throughput, 0.5 issued a cycle a scheduler, 128
+  registers, 4 warps a scheduler): fewer instructions a weight or more warps. Group the (token, expert) pairs
+  by expert for N > 1 (the mma has 8 columns: up to 8/T tokens of one expert per unpack; the ALU work per call
+  would then follow the distinct experts, not the pairs).
 
 Variant "fma" (CUDA cores, exact fp32): `_gate_up_kernel`, grid (N*k, I/ROWS), and `_down_kernel`, grid
 (N, H/ROWS), same split of the work; [ROWS, WORDS] int32 tiles, per word ~10 ops give a "big" bit (codes 0, 3)
@@ -119,12 +127,9 @@ class DecodeConfig:
     gate_split: int = 2
     down_split: int = 8
     prefetch: int = 2
-    gate_tiles: int = 1
-    down_tiles: int = 1
 
     def __post_init__(self) -> None:
-        pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words,
-                self.gate_tiles, self.down_tiles)
+        pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
         if self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or any(v < 1 or v & (v - 1)
                                                                                      for v in pow2):
             raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, blocks powers of two")
@@ -327,7 +332,7 @@ if HAVE_TRITON:
     def _pair_slot(w, j):
         """int32 slot of pair j (0..7) of word w of x or h in the pair layout: in each K tile of 16 words (128
         slots), word 4 t + i, pair 4 rho + jj sits at 32 i + 16 rho + 4 t + jj, so the 4 lanes t that load
-        one B fragment register set (word i, rep rho) read 64 contiguous bytes: one L1 line per load, not 4."""
+        one B-fragment register set (word i, rep rho) read 64 contiguous bytes, one L1 line, not 4."""
         wl = w % 16
         return (w // 16) * 128 + 32 * (wl % 4) + 4 * (wl // 4) + _pair_offset(j)
 
@@ -361,41 +366,32 @@ if HAVE_TRITON:
             r = r - (bits << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _tile_coords(M: tl.constexpr, S: tl.constexpr):
-        """Coordinates of the [2MS * 8, 16] word tile: tile row r2 = q * 8S + s * 8 + g, where g is the lane
-        group (the mma fragment row), s the warp (its share of K) and q the lane's q-th pair of rows: m-tile
-        m = q // 2 (16 rows of the output each), rep rho = q % 2 (rows g / g + 8); w the word. The rows of a lane
-        are one repeated dimension, so the asm's packs of 8 (4 words x 2 reps) are (m, rho = 0, 1) in any
-        Triton's register order. Returns m, g, s, rho [16MS, 1] and w [1, 16]."""
-        r2 = tl.arange(0, 16 * M * S)[:, None]
-        q = r2 // (8 * S)
-        return q // 2, r2 % 8, (r2 // 8) % S, q % 2, tl.arange(0, 16)[None, :]
+    def _tile_coords(S: tl.constexpr):
+        """Row decomposition of the [16S, 16] word tile: tile row r2 = rho * 8S + s * 8 + g, where g is the
+        lane group (the mma fragment row), s the warp (its share of K) and rho the rep (rows g / g + 8)."""
+        r2 = tl.arange(0, 16 * S)[:, None]
+        w = tl.arange(0, 16)[None, :]
+        return r2 % 8, (r2 // 8) % S, r2 // (8 * S), w
 
     @triton.jit
-    def _reduce_tile(acc, T: tl.constexpr, S: tl.constexpr, M: tl.constexpr, USE_ASM: tl.constexpr):
-        """acc [16MS, 16] -> [M, 2, 8] (m-tile, rep, lane group): the sum over words, warps and the T term
-        columns."""
+    def _reduce_tile(acc, T: tl.constexpr, S: tl.constexpr, USE_ASM: tl.constexpr):
+        """acc [16S, 16] -> [2, 8] (rep, lane group): the sum over words, warps and the T term columns."""
         w = tl.arange(0, 16)[None, :]
         if USE_ASM:   # slot w of lane t holds mma column 2t + w % 2; columns >= T are other lanes' copies
             acc = tl.where(2 * (w // 4) + (w % 2) < T, acc, 0.0)
-        return tl.sum(tl.reshape(tl.sum(acc, axis=1), (M, 2, S, 8)), axis=2)
-
-    @triton.jit
-    def _x_frags(xb):
-        """The B fragments of a K step: x (or h) pairs at xb, whose address does not depend on the m-tile, so
-        the compiler loads them once for all m-tiles (the sm_90 build test counts the loads)."""
-        return tl.load(xb), tl.load(xb + 32), tl.load(xb + 64), tl.load(xb + 96)
+        return tl.sum(tl.reshape(tl.sum(acc, axis=1), (2, S, 8)), axis=1)
 
     @triton.jit
     def _pack_x_kernel(x_ptr, xp_ptr, x_row_stride, KW: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
                        PDL: tl.constexpr):
-        """x [N, 16 KW] -> xp: T bf16 terms in the pair layout (module doc), int16 view [N, T, KW, 16]."""
+        """x [N, 16 KW] -> xp: T bf16 terms in the pair layout (module doc, `_pair_slot`), int16 view
+        [N, T, KW * 16]."""
         pdl_start(PDL)
         n = tl.program_id(0)
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + k).to(tl.float32)
         c = k % 16
-        # column c of word w -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1
+        # column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1
         pos = 2 * _pair_slot(k // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
         _store_bf16_terms(xp_ptr, n.to(tl.int64) * (T * KW * 16) + pos, v, T, KW * 16)
 
@@ -410,17 +406,16 @@ if HAVE_TRITON:
     def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
-                            TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr, M: tl.constexpr,
+                            TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
                             PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
-        rw = tl.program_id(1)                       # M m-tiles of 16 rows of I: words M rw .. of h
+        rw = tl.program_id(1)                       # 16 rows of I: one word of h
         t = p // K
         e = tl.load(ids_ptr + p).to(tl.int64)
-        m, g, sp, rho, w = _tile_coords(M, S)
+        g, sp, rho, w = _tile_coords(S)
         r = 8 * rho + g
-        # tile row r = 2 j + half -> h row of pair j
-        row = 16 * (M * rw + m) + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)
+        row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
         c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
         if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
             s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
@@ -429,8 +424,8 @@ if HAVE_TRITON:
             s_row = e * s_expert_stride + row * (HW // 2) + w // 2
             x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
         LAST: tl.constexpr = HW // 16 - 1
-        acc_g = tl.zeros((16 * M * S, 16), dtype=tl.float32)
-        acc_u = tl.zeros((16 * M * S, 16), dtype=tl.float32)
+        acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
+        acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
         # warp s takes K tiles s, s + S, ...; the loads of the tile PREFETCH steps ahead are issued before
         # this tile's math (Triton does not pipeline loads in loops without tl.dot)
         c1, s1, c3, s3, wb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp, LAST)
@@ -440,7 +435,11 @@ if HAVE_TRITON:
             n1, m1, n3, m3, nb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row,
                                              u0 + PREFETCH * S + sp, LAST)
             if USE_ASM:
-                x0, x1, x2, x3 = _x_frags(x_row + wb * 8)
+                xb = x_row + wb * 8
+                x0 = tl.load(xb)   # word i of the lane at + 32 i (`_pair_slot`)
+                x1 = tl.load(xb + 32)
+                x2 = tl.load(xb + 64)
+                x3 = tl.load(xb + 96)
                 acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g)
                 acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u)
             else:
@@ -451,16 +450,15 @@ if HAVE_TRITON:
                 d1, e1, d3, e3, db = n1, m1, n3, m3, nb
             else:
                 c1, s1, c3, s3, wb = n1, m1, n3, m3, nb
-        gate = _reduce_tile(acc_g, TX, S, M, USE_ASM)
-        up = _reduce_tile(acc_u, TX, S, M, USE_ASM)
+        gate = _reduce_tile(acc_g, TX, S, USE_ASM)
+        up = _reduce_tile(acc_u, TX, S, USE_ASM)
         if HAS_LIMIT:
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
         h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
         IW: tl.constexpr = I // 16
-        word = M * rw + tl.arange(0, M)[:, None, None]   # h word (16 rows) of m-tile m
-        r_out = 8 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 8)[None, None, :]
-        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(word, r_out // 2) + r_out % 2, h,
+        r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + r_out: pair r_out // 2
+        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, r_out // 2) + r_out % 2, h,
                           TH, IW * 16)
 
     @triton.jit
@@ -477,15 +475,13 @@ if HAVE_TRITON:
     @triton.jit
     def _down_mma_kernel(hp_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr,
                          out_row_stride, c_expert_stride, s_expert_stride,
-                         IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr, M: tl.constexpr,
+                         IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
                          PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         t = tl.program_id(0)
-        rb = tl.program_id(1)                       # M m-tiles of 16 rows of H
-        m, g, sp, rho, w = _tile_coords(M, S)
-        row = 16 * (M * rb + m) + 8 * rho + g
-        if M > 1:   # the unit's expert id and offsets as full tiles: else the compiler moves [rows, 1] tensors
-            sp = sp + 0 * w   # between layouts in the loop (with M = 1 this costs 16-22 registers instead)
+        rb = tl.program_id(1)
+        g, sp, rho, w = _tile_coords(S)
+        row = 16 * rb + 8 * rho + g
         TILES: tl.constexpr = IW // 16
         c_row = row.to(tl.int64) * IW + w
         if USE_ASM:
@@ -494,7 +490,7 @@ if HAVE_TRITON:
         else:
             s_row = row * (IW // 2) + w // 2
             x_col = _pair_slot(w, 0) + 0 * g
-        acc = tl.zeros((16 * M * S, 16), dtype=tl.float32)
+        acc = tl.zeros((16 * S, 16), dtype=tl.float32)
         # units (expert j, K tile): warp s takes units s, s + S, ...; loads PREFETCH units ahead
         c, s, p, wb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride,
                                   t, sp, K, TILES)
@@ -506,7 +502,10 @@ if HAVE_TRITON:
                                           s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES)
             xb = hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8
             if USE_ASM:
-                x0, x1, x2, x3 = _x_frags(xb)
+                x0 = tl.load(xb)   # word i of the lane at + 32 i (`_pair_slot`)
+                x1 = tl.load(xb + 32)
+                x2 = tl.load(xb + 64)
+                x3 = tl.load(xb + 96)
                 acc = _mma_word_dot(c, s, x0, x1, x2, x3, acc)
             else:
                 acc += _plain_word_dot(c, s.to(tl.int32), xb, TH, IW * 8)
@@ -515,9 +514,8 @@ if HAVE_TRITON:
                 dc, ds, dp, db = nc, ns, np_, nb
             else:
                 c, s, p, wb = nc, ns, np_, nb
-        y = _reduce_tile(acc, TH, S, M, USE_ASM)
-        r_out = (16 * (M * rb + tl.arange(0, M)[:, None, None]) + 8 * tl.arange(0, 2)[None, :, None]
-                 + tl.arange(0, 8)[None, None, :])
+        y = _reduce_tile(acc, TH, S, USE_ASM)
+        r_out = 16 * rb + 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]
         tl.store(out_ptr + t.to(tl.int64) * out_row_stride + r_out, y.to(out_ptr.dtype.element_ty))
 
 
@@ -580,18 +578,16 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
                                          num_warps=4, **pdl)
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
-    gate_tiles = _pow2_block(cfg.gate_tiles, iw)
-    _gate_up_mma_kernel[(pairs, iw // gate_tiles)](
+    _gate_up_mma_kernel[(pairs, iw)](
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
-        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, M=gate_tiles,
-        PREFETCH=cfg.prefetch, USE_ASM=use_asm,
+        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
+        USE_ASM=use_asm,
         num_warps=gate_split, num_stages=1, **pdl)
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
-    down_tiles = _pow2_block(cfg.down_tiles, hw)
-    _down_mma_kernel[(n, hw // down_tiles)](
+    _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, TH=th, S=down_split, M=down_tiles, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
+        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
         num_warps=down_split, num_stages=1, **pdl)
 
 
@@ -762,7 +758,7 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2, tiles: int = 1) -> dict:
+def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
@@ -778,7 +774,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, tiles: int = 1) -> d
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
-    const.update(S=split, M=tiles, PREFETCH=prefetch, USE_ASM=True, PDL=False)
+    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, PDL=False)
     names = fn.arg_names
     sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
     aligned = [(names.index(a),) for a, ty in zip(names, types) if ty != "fp32"]
@@ -793,18 +789,16 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, tiles: int = 1) -> d
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
     ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
     # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
-    weights = (2 if kernel == "gate_up" else 1) * 128 * tiles * (prefetch if looped else steps)
-    return {"kernel": kernel, "split": split, "prefetch": prefetch, "tiles": tiles, "asm_layout": layout,
+    weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if looped else steps)
+    return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": layout,
             "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
             "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
 
 
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
-    [(f"mma g{g}m{gm} d{d}m{dm} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p, gate_tiles=gm,
-                                                  down_tiles=dm))
-     for g, gm, d, dm, p in ((2, 1, 8, 1, 2), (4, 1, 8, 1, 2), (2, 2, 8, 2, 1), (4, 2, 8, 2, 1), (2, 2, 16, 2, 1),
-                             (2, 2, 8, 4, 1), (4, 2, 16, 4, 1), (2, 1, 8, 2, 1))]
+    [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
+     for g, d, p in ((2, 8, 2), (4, 8, 2), (4, 8, 1), (8, 8, 2), (4, 4, 2), (4, 16, 2), (8, 16, 1))]
     + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
