@@ -798,7 +798,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
-     for g, d, p in ((2, 8, 2), (4, 8, 2), (4, 8, 1), (8, 8, 2), (4, 4, 2), (4, 16, 2), (8, 16, 1))]
+     for g, d, p in ((2, 8, 2), (4, 8, 2), (4, 8, 1), (8, 8, 2), (4, 4, 2), (2, 16, 2), (4, 16, 2), (8, 16, 1))]
     + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
