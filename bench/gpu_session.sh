@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh decode    # the full-size decode bench (4K, 64K, verify cost, the costliest kernels
 #                                       # of a batch-1 step), then the prefill bench (2K and 16K prompts, the
 #                                       # costliest kernels of a 2K chunk), again with dense prefill attention
+#   bash bench/gpu_session.sh decode4k  # the decode bench at context 4K alone (batch 1-16 and the breakdown)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
@@ -24,7 +25,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|experts|ncu|profile|decode|ab|train|copycheck|spec|pair}
+phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|experts|ncu|profile|decode|decode4k|ab|train|copycheck|spec|pair}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/$phase.log"
@@ -75,6 +76,9 @@ decode)
     step prefill python3 -m moebox.bench.decode prefill --kernels 25
     step prefill-dense-attention env MOEBOX_PREFILL_ATTENTION_KERNEL=0 python3 -m moebox.bench.decode prefill \
         --kernels 25
+    ;;
+decode4k)
+    step decode4k python3 -m moebox.bench.decode decode --context 4096
     ;;
 ab)                           # AB="..." picks the switches (default: each part of the fast path off)
     for switch in ${AB:-MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do
