@@ -10,6 +10,7 @@ from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
 from moebox.ops.mhc import hc_post, hc_pre
+from moebox.ops.norm import rms_norm
 
 
 class Block:
@@ -26,7 +27,7 @@ class Block:
     def __call__(self, X: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg = self.cfg
         kw = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        x, post, comb = hc_pre(X, *self.hc_attn, **kw, norm=(self.attn_norm, cfg.rms_norm_eps))
-        X = hc_post(self.attn(x, batch, cache), X, post, comb)
-        x, post, comb = hc_pre(X, *self.hc_ffn, **kw, norm=(self.ffn_norm, cfg.rms_norm_eps))
-        return hc_post(self.ffn(x, batch.tokens), X, post, comb)
+        x, post, comb = hc_pre(X, *self.hc_attn, **kw)
+        X = hc_post(self.attn(rms_norm(x, self.attn_norm, cfg.rms_norm_eps), batch, cache), X, post, comb)
+        x, post, comb = hc_pre(X, *self.hc_ffn, **kw)
+        return hc_post(self.ffn(rms_norm(x, self.ffn_norm, cfg.rms_norm_eps), batch.tokens), X, post, comb)

@@ -34,9 +34,8 @@ class OutputHead:
         self.cfg, self.hc, self.norm, self.head = cfg, hc, norm, head
 
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
-        eps = self.cfg.rms_norm_eps
-        return logits_linear(hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=eps, norm=(self.norm, eps)),
-                             self.head)
+        y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
+        return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)
 
 
 class MTPBlock:

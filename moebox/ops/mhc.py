@@ -30,14 +30,11 @@ def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | Non
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
-           norm_eps: float, norm: tuple[torch.Tensor, float] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32); with norm = (weight,
-    eps) the input comes normalised, rms_norm(x, weight, eps) (one kernel fewer on the GPU)."""
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
     if (f := _fused(X)) is not None:
-        return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps, norm=norm)
-    x, post, comb = hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
-    return (x if norm is None else rms_norm(x, *norm)), post, comb
+        return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
+    return hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
 
 
 def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -48,13 +45,11 @@ def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
-            norm_eps: float, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j]; with norm = (weight, eps),
-    rms_norm(y, weight, eps)."""
+            norm_eps: float) -> torch.Tensor:
+    """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j]."""
     if (f := _fused(X)) is not None:
-        return f.hc_head_triton(X, fn, base, scale, eps=eps, norm_eps=norm_eps, norm=norm)
-    y = hc_head_reference(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
-    return y if norm is None else rms_norm(y, *norm)
+        return f.hc_head_triton(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
+    return hc_head_reference(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
 
 
 @fused

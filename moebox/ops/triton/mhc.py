@@ -90,7 +90,6 @@ class PostConfig:
 
 
 MAX_SPLIT = 256  # kernel B loads all partials of a token as one [next_pow2(split), ...] tile
-Norm = tuple[torch.Tensor, float]   # (weight [H], eps) of an RMSNorm applied to hc_pre's / hc_head's output
 
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
@@ -155,14 +154,13 @@ if HAVE_TRITON:
         tl.store(ws, acc, mask=(offs_n < N)[:, None])
 
     @triton.jit
-    def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, w_ptr,
-                    H, K, SPLIT, iters, eps, norm_eps, rms_eps, stride_Xn, stride_xn,
+    def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                    H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
                     HC: tl.constexpr, HC_PAD: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr, PDL: tl.constexpr):
         """Per token n: the logits from the partials. Not HEAD: program 0 computes post and the Sinkhorn-
         normalised comb (first, so the longest dependency chain starts first), the other programs x over
-        their BLOCK_H columns; HEAD: all programs compute x. NORM (one x program a token, BLOCK_H >= H): the
-        x written is rms_norm(x, w, rms_eps) of x rounded to its dtype, as the sub-block's norm computes it."""
+        their BLOCK_H columns; HEAD: all programs compute x."""
         pdl_start(PDL)
         n = tl.program_id(0)
         ph = tl.program_id(1) - (0 if HEAD else 1)     # the H block of an x program; -1: post/comb
@@ -184,10 +182,6 @@ if HAVE_TRITON:
             Xt = tl.load(X_ptr + n.to(tl.int64) * stride_Xn + offs_j[:, None] * H + hh[None, :],
                          mask=mj[:, None] & mh[None, :], other=0.0).to(tl.float32)
             x = tl.sum(pre[:, None] * Xt, axis=0)
-            if NORM:   # rms_norm of x as hc_pre returns it (rounded to its dtype), in fp32
-                x = tl.where(mh, x.to(x_ptr.dtype.element_ty).to(tl.float32), 0.0)
-                x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + rms_eps))
-                x = x * tl.load(w_ptr + hh, mask=mh, other=0.0).to(tl.float32)
             tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
         elif not HEAD:
             post_l = tl.sum(tl.load(ws_n[:, None] + HC + offs_j[None, :], mask=ms[:, None] & mj[None, :],
@@ -286,32 +280,19 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tup
     return ws, m_pad
 
 
-def _check_norm(norm: Norm | None, hidden: int, device: torch.device) -> None:
-    if norm is not None and (norm[0].shape != (hidden,) or norm[0].device != device):
-        raise ValueError(f"the norm weight must be [{hidden}] on {device}, got {tuple(norm[0].shape)} on "
-                         f"{norm[0].device}")
-
-
 def _mix(X: torch.Tensor, ws: torch.Tensor, m_pad: int, base: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
          post: torch.Tensor | None, comb: torch.Tensor | None, cfg: HcConfig, iters: int, eps: float,
-         norm_eps: float, norm: Norm | None) -> None:
-    """Kernel B: x (and post, comb unless hc_head); with `norm`, x normalised, by one program a token that holds
-    the whole row (so its warps grow with H: ~32 values a thread)."""
+         norm_eps: float) -> None:
+    """Kernel B: x (and post, comb unless hc_head)."""
     n, hc, hidden = X.shape
     head = post is None
-    warps = cfg.mix_warps
-    if norm is None:
-        block_h = _block_h(cfg.block_h, warps, X.dtype, hidden)
-    else:
-        block_h = next_pow2(hidden)
-        warps = max(warps, min(16, next_pow2(hc) * block_h // 1024))
+    block_h = _block_h(cfg.block_h, cfg.mix_warps, X.dtype, hidden)
     h_blocks = cdiv(hidden, block_h)
-    w, rms_eps = norm if norm is not None else (x, 0.0)
     _mix_kernel[(n, h_blocks + (0 if head else 1))](
-        X, ws, _rows(base), _rows(scale), x, x if head else post, x if head else comb, w,
-        hidden, hc * hidden, cfg.split, iters, eps, norm_eps, rms_eps, X.stride(0), x.stride(0),
+        X, ws, _rows(base), _rows(scale), x, x if head else post, x if head else comb,
+        hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), x.stride(0),
         HC=hc, HC_PAD=next_pow2(hc), M_PAD=m_pad, S_PAD=next_pow2(cfg.split), BLOCK_H=block_h, HEAD=head,
-        NORM=norm is not None, num_warps=warps, **pdl_args(X))
+        num_warps=cfg.mix_warps, **pdl_args(X))
 
 
 def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
@@ -322,12 +303,10 @@ def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
 
 def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
                   eps: float, norm_eps: float, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  config: HcConfig | None = None, norm: Norm | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  config: HcConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused hc_pre: X [N, hc, H] -> (x [N, H] in X's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32), as
-    `hc_pre_reference`; with norm = (weight [H], eps), x is rms_norm(x, weight, eps) (the sub-block's input
-    norm, in the same kernel). `into` = (x, post, comb) buffers to fill (every element written). Runs on CUDA,
-    or on CPU tensors under TRITON_INTERPRET=1."""
+    `hc_pre_reference`. `into` = (x, post, comb) buffers to fill (every element written). Runs on CUDA, or on
+    CPU tensors under TRITON_INTERPRET=1."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -341,18 +320,15 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     comb = _filled(bc, (n, hc, hc), torch.float32, X.device, "comb")
     if n == 0:
         return x, post, comb
-    _check_norm(norm, hidden, X.device)
     cfg = _config(config, X)
     ws, m_pad = _mix_logits(X, fn, m, cfg)
-    _mix(X, ws, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps, norm)
+    _mix(X, ws, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps)
     return x, post, comb
 
 
 def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
-                   norm_eps: float, into: torch.Tensor | None = None, config: HcConfig | None = None,
-                   norm: Norm | None = None) -> torch.Tensor:
-    """Fused hc_head: X [N, hc, H] -> y [N, H] in X's dtype, as `hc_head_reference`; with norm = (weight [H],
-    eps), y is rms_norm(y, weight, eps) (the head's final norm, in the same kernel)."""
+                   norm_eps: float, into: torch.Tensor | None = None, config: HcConfig | None = None) -> torch.Tensor:
+    """Fused hc_head: X [N, hc, H] -> y [N, H] in X's dtype, as `hc_head_reference`."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -362,10 +338,9 @@ def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     y = _filled(into, (n, hidden), X.dtype, X.device, "y")
     if n == 0:
         return y
-    _check_norm(norm, hidden, X.device)
     cfg = _config(config, X)
     ws, m_pad = _mix_logits(X, fn, hc, cfg)
-    _mix(X, ws, m_pad, base, scale, y, None, None, cfg, 0, eps, norm_eps, norm)
+    _mix(X, ws, m_pad, base, scale, y, None, None, cfg, 0, eps, norm_eps)
     return y
 
 
