@@ -20,8 +20,10 @@ just below +0.0, and NaN above +inf (torch also ranks NaN first).
 
 Measured (H200, ninth session, docs/benchmarks.md): the GPU tests pass, but a call takes 31.7 us at 4K context
 (1 025 entries: two 1024-score chunks, 8 rounds of [16, 1024] compares on one SM's 4 warps) against
-gatherTopK's 18.7 us, and the batch-1 step went from 8.89 to 9.14 ms. Off by default. Next: a 16-bin
-histogram a round over the row kept in registers, more warps, one chunk for rows of up to 2 048 entries.
+gatherTopK's 18.7 us, and the batch-1 step went from 8.89 to 9.14 ms. Off by default. Next: keep rows of up
+to 2 048 entries in registers across the rounds (8 warps), and count the 16 digits of the keys that match the
+prefix so far. Not with tl.histogram as is: on sm_90 it lowers to shared-memory atomics (one per key and
+round), so keys sent to a spare bin would all contend on one address.
 
 Bounds: scores [B, E] fp32 with unit column stride, valid [B, E] bool, 1 <= k <= E <= MAX_ENTRIES; other
 calls raise ValueError (`supported` says which). CUDA graphs: outputs from torch.empty, one launch, no host sync.
