@@ -27,6 +27,15 @@ def check_in_interpreter(script: str, default_tol: float = 1e-5) -> None:
         assert r["ref_norm"] > 0 and r["rel"] < r.get("tol", default_tol), r
 
 
+def count_calls(module, name: str) -> list:
+    """Replace module.name by a wrapper that appends to the returned list on each call: a script's proof that
+    its kernel really ran (the model paths fall back to torch silently)."""
+    calls: list = []
+    real = getattr(module, name)
+    setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 def tiny_model():
     """(config, model) of the `tiny` preset with synthetic weights, fp32 on the CPU, without MTP: the model the
     interpreter scripts run through their kernels."""

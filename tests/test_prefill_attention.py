@@ -19,11 +19,9 @@ _SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from moebox.model.batch import FlatBatch
     import moebox.ops.triton.decode_attention as kernel
-    from tests.interpreter import tiny_model
+    from tests.interpreter import count_calls, tiny_model
 
-    calls = []                                  # the kernel must really run: count its calls
-    attend = kernel.attend_triton
-    kernel.attend_triton = lambda *a, **kw: calls.append(1) or attend(*a, **kw)
+    calls = count_calls(kernel, "attend_triton")   # the kernel must really run
     cfg, model = tiny_model()
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     hidden = {}

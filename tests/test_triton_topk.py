@@ -73,10 +73,8 @@ _SCRIPT = textwrap.dedent("""
 
     # the tiny model's decode steps: the kernel's rows against torch's (same logits: no ties in these scores)
     from moebox.model.batch import DecodeBatch, FlatBatch
-    from tests.interpreter import tiny_model
-    calls = []
-    kernel = topk.index_topk_triton
-    topk.index_topk_triton = lambda *a: calls.append(1) or kernel(*a)
+    from tests.interpreter import count_calls, tiny_model
+    calls = count_calls(topk, "index_topk_triton")
     os.environ.update(MOEBOX_ATTENTION_KERNEL="0", MOEBOX_COMPRESS_KERNEL="0", MOEBOX_PREFILL_ATTENTION_KERNEL="0")
     cfg, model = tiny_model()
     ids = torch.randint(2, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()

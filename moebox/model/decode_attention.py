@@ -11,8 +11,6 @@ same functions eagerly.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moebox.ops.attention import sink_attention
@@ -93,7 +91,7 @@ def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: t
     is slower than torch.topk on the H200 (31.7 against 18.7 us a call at 4K context), so it stays off."""
     scores = index_scores(qi, wi, scale, index_keys, slot, valid)
     k = min(topk, scores.shape[1])
-    if os.environ.get("MOEBOX_TOPK_KERNEL") == "1" and kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL"):
+    if kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL", default=False):
         from moebox.ops.triton import topk as kernel
         if kernel.supported(scores, valid, k):
             return kernel_or_fallback("indexer top-k", "MOEBOX_TOPK_KERNEL",

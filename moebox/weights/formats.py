@@ -108,24 +108,28 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (vals * s).to(dtype)
 
 
+def _fp4_block_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [O, I] -> (e2m1 codes [O, I/32, 32], power-of-2 block exponents [O, I/32]): the rounding that
+    `quant_fp4` packs and `fp4_round` evaluates."""
+    rows, cols = w.shape
+    blocks = w.float().view(rows, cols // FP4_BLOCK, FP4_BLOCK)
+    e = pow2_exponent(blocks.abs().amax(dim=-1), FP4_MAX)
+    return fp4_codes_from_values(blocks / torch.exp2(e)[..., None]), e
+
+
 def fp4_round(w: torch.Tensor) -> torch.Tensor:
     """float [O, I] -> fp32 [O, I]: the values `dequant_fp4(*quant_fp4(w))` gives, without packing (a few fused
     elementwise ops: QAT applies it to every routed expert in every forward)."""
-    rows, cols = w.shape
-    blocks = w.float().view(rows, cols // FP4_BLOCK, FP4_BLOCK)
-    s = torch.exp2(pow2_exponent(blocks.abs().amax(dim=-1), FP4_MAX))[..., None]
-    return (fp4_values_from_codes(fp4_codes_from_values(blocks / s)) * s).view(rows, cols)
+    codes, e = _fp4_block_codes(w)
+    return (fp4_values_from_codes(codes) * torch.exp2(e)[..., None]).view(w.shape)
 
 
 def quant_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [O, I] -> (packed int8 [O, I/2], E8M0 scales [O, I/32]); I must be a multiple of 32."""
-    rows, cols = w.shape
-    if cols % FP4_BLOCK:
-        raise ValueError(f"FP4 needs the input dim to be a multiple of {FP4_BLOCK}, got {cols}")
-    blocks = w.float().view(rows, cols // FP4_BLOCK, FP4_BLOCK)
-    e = pow2_exponent(blocks.abs().amax(dim=-1), FP4_MAX)
-    codes = fp4_codes_from_values(blocks / torch.exp2(e)[..., None]).view(rows, cols)
-    return pack_fp4(codes), exponent_to_e8m0(e)
+    if w.shape[1] % FP4_BLOCK:
+        raise ValueError(f"FP4 needs the input dim to be a multiple of {FP4_BLOCK}, got {w.shape[1]}")
+    codes, e = _fp4_block_codes(w)
+    return pack_fp4(codes.view(w.shape)), exponent_to_e8m0(e)
 
 
 @dataclass

@@ -89,10 +89,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-def kernel_switched_on(t: torch.Tensor, switch: str) -> bool:
+def kernel_switched_on(t: torch.Tensor, switch: str, default: bool = True) -> bool:
     """Whether a model path may take its kernel: CUDA tensors (or the interpreter's CPU ones), unless the
-    environment sets `switch` to 0."""
-    return (t.is_cuda or interpreting()) and os.environ.get(switch, "1") != "0"
+    environment sets `switch` to 0 (a kernel that is off by default: when it sets `switch` to anything else)."""
+    value = os.environ.get(switch)
+    return (t.is_cuda or interpreting()) and (default if value is None else value != "0")
 
 
 def versions() -> str:

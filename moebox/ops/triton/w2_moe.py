@@ -337,6 +337,12 @@ if HAVE_TRITON:
         return (w // 16) * 128 + 32 * (wl % 4) + 4 * (wl // 4) + _pair_offset(j)
 
     @triton.jit
+    def _b_fragments(xb):
+        """The 4 B-fragment registers of a lane for one K step (x or h pairs of its words i = 0..3, at slot
+        offset 32 i from xb in the `_pair_slot` layout)."""
+        return tl.load(xb), tl.load(xb + 32), tl.load(xb + 64), tl.load(xb + 96)
+
+    @triton.jit
     def _plain_word_dot(cw, sb, xw_ptr, T: tl.constexpr, TERM_STRIDE: tl.constexpr):
         """The same values without inline asm (Triton's interpreter): per element, word cw at scale byte sb
         against x given as T bf16 terms of its 8 pairs at xw_ptr + tau * TERM_STRIDE + j -> fp32 dot."""
@@ -436,10 +442,7 @@ if HAVE_TRITON:
                                              u0 + PREFETCH * S + sp, LAST)
             if USE_ASM:
                 xb = x_row + wb * 8
-                x0 = tl.load(xb)   # word i of the lane at + 32 i (`_pair_slot`)
-                x1 = tl.load(xb + 32)
-                x2 = tl.load(xb + 64)
-                x3 = tl.load(xb + 96)
+                x0, x1, x2, x3 = _b_fragments(xb)
                 acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g)
                 acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u)
             else:
@@ -502,10 +505,7 @@ if HAVE_TRITON:
                                           s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES)
             xb = hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8
             if USE_ASM:
-                x0 = tl.load(xb)   # word i of the lane at + 32 i (`_pair_slot`)
-                x1 = tl.load(xb + 32)
-                x2 = tl.load(xb + 64)
-                x3 = tl.load(xb + 96)
+                x0, x1, x2, x3 = _b_fragments(xb)
                 acc = _mma_word_dot(c, s, x0, x1, x2, x3, acc)
             else:
                 acc += _plain_word_dot(c, s.to(tl.int32), xb, TH, IW * 8)
