@@ -2,10 +2,13 @@
 
 A top-k is right when it takes k distinct rows, none left out scores above one taken (so the sorted values
 equal torch.topk's), and each row's valid flag comes along. The rows themselves may differ from torch's among
-equal scores. CPU: the kernel in Triton's interpreter (rows of one and of several chunks, exact ties across
-chunks, -inf masks with fewer finite rows than k, +-0, subnormals, NaN), what it refuses, and the tiny model's
-decode steps with MOEBOX_TOPK_KERNEL=1 against the torch top-k. GPU (marker `gpu`): V4-Flash rows (k 512, E
-1024 to 16384, batch 1-16), outputs poisoned first, replayed from a CUDA graph.
+equal scores. CPU: the kernel in Triton's interpreter under several tilings (the whole row held in registers,
+padded; a held head plus streamed [TK, NT] chunks, TK 1 or more; 32-bit count fields), on exact ties across
+chunks, -inf masks with fewer finite rows than k, k = E and k = 1, +-0, subnormals, NaN of either sign, +inf,
+rows of few distinct values; the tilings `config` picks; what the kernel refuses; and the tiny model's decode
+steps with MOEBOX_TOPK_KERNEL=1 against the torch top-k. GPU (marker `gpu`): V4-Flash rows (k 512, E 1024 to
+70000: held, held + a one-entry tail, streamed, 32-bit fields; batch 1-16) under `config`'s tiling and the
+bench's sweep of tilings, outputs poisoned first, replayed from a CUDA graph; and the edge rows on the GPU.
 """
 
 from __future__ import annotations
@@ -55,21 +58,48 @@ def cases(g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     s = torch.randn(1, 50, generator=g)
     s[0, [4, 9]] = float("nan")
     out.append((s, torch.ones_like(s, dtype=torch.bool), 5))
+    s = torch.randn(2, 70, generator=g)                 # NaN with the sign bit set (x86's 0/0), +inf
+    s[0, [3, 40]] = torch.tensor([0xFFC00000, 0xFFFFFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    s[1, [5, 6]] = float("inf")
+    out.append((s, torch.ones_like(s, dtype=torch.bool), 3))
+    s = torch.randint(0, 4, (3, 150), generator=g).float()   # few distinct values: ties at every k
+    for k in (1, 37, 149, 150):
+        out.append((s, s > 0, k))
+    s = torch.full((1, 90), float("-inf"))              # all masked
+    out.append((s, s > 0, 20))
+    s = torch.randn(1, 600, generator=g) * 1e3          # a longer row: many streamed chunks
+    out.append((s, torch.rand(1, 600, generator=g) > 0.5, 512))
     return out
+
+
+# cases() rows for the slow streamed tilings: k = E, few rows, ties, fewer finite rows than k, signed NaN /
+# +inf, all masked; and in one tiling each, ties across chunks (7) or at k = 37 (13)
+STREAMED_CASES = (3, 4, 5, 8, 11, 16)
+
+
+def tilings():
+    """Interpreter tilings (tiny NT so the rows above span several chunks): held and padded, held head +
+    streamed chunks of 8 and 1 rows, several held chunks, 32-bit fields; None: `config`'s (all held, NT 256)."""
+    from moebox.ops.triton.topk import Config
+    return [None, Config(1, 8, 8, 4, 1, False), Config(2, 2, 1, 4, 1, False), Config(4, 8, 2, 2, 1, True),
+            Config(1, 1, 1, 8, 1, False)]
 
 
 _SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     sys.path.insert(0, sys.argv[1])
     import moebox.ops.triton.topk as topk
-    from tests.test_triton_topk import cases, check_topk
+    from tests.test_triton_topk import STREAMED_CASES, cases, check_topk, tilings
     results = []
-    for chunk in (1024, 64):                             # one chunk a row; several (ties across them)
-        topk.CHUNK = chunk
-        for s, v, k in cases(torch.Generator().manual_seed(chunk)):
-            rows, rv = topk.index_topk_triton(s, v, k)
+    for i, cfg in enumerate(tilings()):
+        picked = cases(torch.Generator().manual_seed(i))
+        if i >= 2:   # the streamed tilings run ~1-9 s a case here: their chunk edges, not every row again
+            picked = [c for j, c in enumerate(picked) if j in STREAMED_CASES + ((7,) if i == 3 else (13,))]
+        for s, v, k in picked:
+            rows, rv = topk.index_topk_triton(s, v, k, cfg)
             check_topk(s, v, k, rows, rv)
-            results.append(dict(case=[list(s.shape), k, chunk], same_buffer=True, finite=True, rel=0.0, ref_norm=1.0))
+            results.append(dict(case=[list(s.shape), k, str(cfg)], same_buffer=True, finite=True, rel=0.0,
+                                ref_norm=1.0))
 
     # the tiny model's decode steps: the kernel's rows against torch's (same logits: no ties in these scores)
     from moebox.model.batch import DecodeBatch, FlatBatch
@@ -110,18 +140,40 @@ def test_what_the_kernel_refuses() -> None:
     assert not supported(s.double(), v, 5) and not supported(s.t(), v.t(), 1) and not supported(s, v[:, :10], 5)
     with pytest.raises(ValueError, match="k 51"):
         index_topk_triton(s, v, 51)
+    from moebox.ops.triton.topk import Config
+    for bad in (Config(1, 16, 1, 4, 1, False), Config(1, 8, 16, 4, 1, False)):   # nibbles would overflow
+        with pytest.raises(ValueError, match="cannot count"):
+            index_topk_triton(s, v, 5, bad)
+
+
+def test_the_tilings_config_picks() -> None:
+    """Every entry is held or streamed, per-thread counts stay in their fields, and the V4-Flash rows get the
+    tilings the sm_90 builds were checked at (1025: all held, padded; 4097 and 16385: a held power of two and a
+    one-row tail; from 65536 entries 32-bit fields)."""
+    from moebox.ops.triton.topk import HELD_KEYS, WIDE_FROM, Config, config, next_pow2
+    for e in list(range(1, 5000, 37)) + [1024, 1025, 2048, 2049, 4096, 4097, 16384, 16385, 65535, 65536, 1 << 20]:
+        for warps in (None, 4, 16):
+            c = config(e, num_warps=warps)
+            head = c.nch * c.hk * c.nt
+            assert c.nt == 32 * c.num_warps and c.hk <= 8 and c.tk <= c.hk and c.nch == next_pow2(c.nch)
+            assert c.nch * c.hk <= max(8, HELD_KEYS) and c.wide == (e >= WIDE_FROM)
+            assert head >= e or c.hk == 8, c                   # a streamed row holds full chunks
+            assert head <= max(c.nt, next_pow2(e)), c
+    assert config(1025) == Config(1, 8, 8, 256, 8, False)
+    assert config(4097) == Config(2, 8, 1, 256, 8, False)
+    assert config(16385) == Config(8, 8, 1, 256, 8, False)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
-@pytest.mark.parametrize("entries", [1024, 5000, 16384])
+@pytest.mark.parametrize("entries", [1024, 1025, 2049, 4097, 5000, 16384, 16385, 40000, 70000])
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_v4_rows(entries: int, batch: int) -> None:
-    """V4-Flash's k = 512 over 4K-64K contexts' entries, a third masked (-inf), a run of ties, outputs poisoned,
-    then the same call replayed from a CUDA graph on new scores."""
+    """V4-Flash's k = 512 over 4K-64K contexts' entries (and past: streamed chunks, 32-bit fields), a third
+    masked (-inf), a run of ties, outputs poisoned, then the same call replayed from a CUDA graph on new scores."""
     from moebox.ops.triton.topk import index_topk_triton
     g = torch.Generator(device="cuda").manual_seed(entries + batch)
     scores = torch.randn(batch, entries, device="cuda", generator=g)
@@ -141,3 +193,27 @@ def test_gpu_v4_rows(entries: int, batch: int) -> None:
     graph.replay()
     torch.cuda.synchronize()
     check_topk(static, valid, 512, *out)
+
+
+@pytest.mark.parametrize("entries", [1025, 4097, 16385])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_swept_tilings(entries: int) -> None:
+    """Each tiling the bench's --sweep times (4-16 warps, 32 or 64 held keys) on indexer-like rows (relu'd:
+    many exact zeros, so ties at the k-th value when few are positive) and on short contexts (most masked)."""
+    from moebox.ops.triton.topk import index_topk_triton, random_scores, sweep_configs
+    for cfg in sweep_configs(entries):
+        for masked in (0.0, 0.9):
+            scores, valid = random_scores(16, entries, "cuda", seed=entries, masked=masked)
+            check_topk(scores, valid, 512, *index_topk_triton(scores, valid, 512, cfg))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_edge_rows() -> None:
+    """The interpreter's edge rows (ties, -inf, NaN of both signs, k = E, k = 1, ...) on the GPU, under
+    `config`'s tiling and the interpreter's."""
+    from moebox.ops.triton.topk import index_topk_triton
+    for cfg in tilings():
+        for s, v, k in cases(torch.Generator().manual_seed(3)):
+            check_topk(s, v, k, *index_topk_triton(s.cuda(), v.cuda(), k, cfg))

@@ -86,13 +86,14 @@ def _top_rows(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.
 
 def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor, slot: torch.Tensor,
                  valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lightning indexer: (entry rows [B, k], valid [B, k]) of the top-k scores. With MOEBOX_TOPK_KERNEL=1
-    the top-k and the gather of `valid` are one Triton kernel (ops/triton/topk.py); it passes its GPU tests but
-    is slower than torch.topk on the H200 (31.7 against 18.7 us a call at 4K context), so it stays off."""
+    """The lightning indexer: (entry rows [B, k], valid [B, k]) of the top-k scores. The top-k and the gather
+    of `valid` are one Triton kernel (ops/triton/topk.py) for rows it holds in registers (up to 2048 entries:
+    8K tokens of context; 6.4 against torch's 16.4 us a call at 4K on the H200), torch.topk for longer ones
+    (not yet measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length."""
     scores = index_scores(qi, wi, scale, index_keys, slot, valid)
     k = min(topk, scores.shape[1])
-    if kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL", default=False):
-        from moebox.ops.triton import topk as kernel
+    from moebox.ops.triton import topk as kernel
+    if kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL", default=scores.shape[1] <= kernel.DEFAULT_MAX_ENTRIES):
         if kernel.supported(scores, valid, k):
             return kernel_or_fallback("indexer top-k", "MOEBOX_TOPK_KERNEL",
                                       lambda: kernel.index_topk_triton(scores, valid, k),
