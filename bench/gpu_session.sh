@@ -18,6 +18,8 @@
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
 #   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
+#   bash bench/gpu_session.sh mhc       # the mHC kernels (pre, post, and the decode chain's post+logits, mix+norm)
+#   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
 #   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
 #   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in
@@ -25,7 +27,8 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-phase=${1:?usage: bash bench/gpu_session.sh tests|kernels|experts|ncu|profile|decode|decode4k|ab|train|copycheck|spec|pair}
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|mhc|topk|ncu|profile|decode|decode4k|ab|train|copycheck|spec|pair"
+phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/$phase.log"
@@ -53,6 +56,12 @@ tests)
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
     step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
+    ;;
+mhc)
+    step mhc-bench python3 -m moebox.ops.triton.mhc
+    ;;
+topk)
+    step topk-bench python3 -m moebox.ops.triton.topk
     ;;
 ncu)                          # hardware counters: DRAM throughput, stall reasons, occupancy of each launch
     step ncu env MOEBOX_PDL=0 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-mma_kernel|fp8_gemv}" \
