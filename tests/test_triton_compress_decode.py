@@ -410,6 +410,7 @@ _MODEL_CHECK = textwrap.dedent("""
     import moebox.model.attention as attention
     import moebox.ops.triton.compress_decode as cd
     os.environ["MOEBOX_ATTENTION_KERNEL"] = "0"          # the attention read in torch: only the compressor differs
+    os.environ["MOEBOX_TOPK_KERNEL"] = "0"               # (and the top-k, which has its own check)
     cfg = parse_config(preset_config("tiny"))
     torch.manual_seed(0)
     model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).__getitem__, qat=True,

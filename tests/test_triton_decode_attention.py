@@ -399,20 +399,14 @@ _MODEL_CHECK = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, sys.argv[1])
     import torch
-    from moebox.bench.synthetic import synthetic_weights
-    from moebox.config import parse_config
     from moebox.model.batch import DecodeBatch, FlatBatch
-    from moebox.model.deepseek_v4 import DeepseekV4
-    from moebox.weights.synth import preset_config
-    cfg = parse_config(preset_config("tiny"))
-    torch.manual_seed(0)
-    model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu").__getitem__, qat=False, dtype=torch.float32,
-                       load_mtp=False)
+    from tests.interpreter import count_calls, tiny_model
+    cfg, model = tiny_model()
     ids = torch.randint(2, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(1)).tolist()
     import moebox.ops.triton.decode_attention as da
-    from tests.interpreter import count_calls
     kernel_calls = count_calls(da, "attend_triton")      # counts the kernel's launches
     os.environ["MOEBOX_PREFILL_ATTENTION_KERNEL"] = "0"   # count the decode steps' launches only
+    os.environ["MOEBOX_TOPK_KERNEL"] = "0"               # only the attention read differs (top-k: its own check)
     runs = {}
     for flag in ("1", "0"):
         os.environ["MOEBOX_ATTENTION_KERNEL"] = flag

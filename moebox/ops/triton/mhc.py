@@ -11,19 +11,20 @@ on the mix. The references are the torch functions of moebox.ops.mhc (`hc_pre_re
 here); `hc_pre_triton`, ... are the fused paths, which the dispatchers there take for CUDA tensors.
 
 X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (24 x 16384 fp32 = 1.57 MB) or hc (head):
-  Kernel A, `_post_logits_kernel` (grid (token tiles, SPLIT), SPLIT programs along H): program (b, s) takes
-    BLOCK_N tokens and BLOCK_K columns of H of all hc streams per step, Z [BLOCK_N, hc, BLOCK_K]. With POST it
+  Kernel A, `_post_logits_kernel` (grid (token tiles, SPLIT)): the work is hc * cdiv(H, BLOCK_K) steps (stream
+    k, BLOCK_K columns of H), SPLIT programs along them; a step loads BLOCK_N tokens' columns of all hc streams
+    (Z[0..hc-1], each in its own registers: hc <= 4) and works on stream k. With POST it
     first makes Z the new streams of hc_post, Z[k] = post[k] out + sum_j comb[j, k] X[j] in fp32 with post
     and comb rounded to X's dtype as the reference does (.to(dt)), and stores them with ONE rounding to X's
     dtype (the reference rounds 3 times in bf16: product, matmul, sum; bf16 results differ from it by ~1 ulp
     on some elements). With LOGITS it writes the partials of the next site's hc_pre / hc_head over its
     columns Hs to the fp32 scratch ws [N, SPLIT, W]: the logits Z_flat[Hs] @ fn[:, Hs]^T (tl.dot in fp32
     "ieee", i.e. FMA, never TF32; rms_norm(z) @ fn^T = rsqrt(mean(z^2) + eps) * (z @ fn^T)) in columns < M and
-    the streams' Gram matrix G[j, k] = sum_h Z[j, h] Z[k, h] in the hc*hc columns after them (W =
+    the streams' Gram matrix G[k, j] = sum_h Z[k, h] Z[j, h] at column M + 4 k + j after them (W =
     `partial_width`). Each partial is written once: no atomics, no zeroing. hc_pre / hc_head run it without
-    POST unless a post before them already did. Decode (N <= 16): one 16-token tile and one 32-column step per
-    program, SPLIT = H / 32 = 128 programs, so all of fn is requested at once by ~one program per SM (fn is
-    what a decode call must stream). Prefill: 64-token tiles, SPLIT just enough for ~one wave.
+    POST unless a post before them already did. Decode (N <= 16): one 16-token tile and one 128-column step per
+    program, SPLIT = 4 * 4096 / 128 = 128 programs, so all of fn is requested at once by ~one program per SM
+    (fn is what a decode call must stream). Prefill: 64-token tiles, SPLIT just enough for ~one wave.
   Kernel B, `_mix_kernel` (grid (N, 1 + H / BLOCK_H)): every program sums its token's SPLIT partials in a fixed
     order (deterministic): rs = rsqrt(trace(G) / K + norm_eps) and the logits it needs. Program 0 of a token
     computes post = 2 sigmoid(.) and comb (softmax over k + eps, 1 column and iters-1 (row, column)
@@ -37,7 +38,7 @@ X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (24 x 1638
     in one thread, so the sum over streams needs no shared memory.
   hc_head: kernels A and B with M = hc and no post/comb (HEAD).
 
-Bounds: any hc (padded to a power of 2 with masks), H, N (N = 0 gives empty outputs), iters >= 0; X must be
+Bounds: hc <= 4 (kernel B pads it to a power of 2 with masks), any H, N (N = 0 gives empty outputs), iters >= 0; X must be
 [N, hc, H] fp32/bf16/fp16 and hc_post's out of X's dtype and shape [N, H], else the dispatchers run the
 reference. Results differ from the reference only by fp32 rounding order (partial sums, tree reductions,
 Triton's exp / rsqrt / division).
@@ -122,7 +123,7 @@ def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) 
 
 
 CHAIN_MAX_TOKENS = 16  # hc_post computes the next site's logits up to this many tokens: at 2048 the fused
-                       # launch took 2.2 ms against 0.8 for the two (H200, tenth session: all 4 new streams and
+                       # launch took 1.7 ms against 0.8 for the two (H200, tenth session: all 4 new streams and
                        # their Gram products for each stream's columns, 4x the post's arithmetic)
 MAX_HC = 4  # streams the fused kernels take (kernel A holds each in its own registers); V4 has 4
 
@@ -243,7 +244,6 @@ if HAVE_TRITON:
                            axis=0)
             b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
             pre = tl.sigmoid(pre_l * rs * tl.load(scale_ptr).to(tl.float32) + b_pre) + eps
-            pre = tl.where(mj, pre, 0.0)
             hh = ph * BLOCK_H + tl.arange(0, BLOCK_H)
             mh = hh < H
             Xt = tl.load(X_ptr + n.to(tl.int64) * stride_Xn + offs_j[:, None] * H + hh[None, :],
@@ -319,7 +319,7 @@ def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
 def _kernel_a(X: torch.Tensor, cfg: HcConfig, fn: torch.Tensor | None, m: int,
               post_args: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
     """Kernel A over the streams X: with post_args = (out, post, comb, y) the new streams go to y (hc_post) and
-    the logits are of those; with fn the fp32 partials [N, split, partial_width(m, hc)] come back (else None)."""
+    the logits are of those; with fn the fp32 partials [N, split, partial_width(m)] come back (else None)."""
     n, hc, hidden = X.shape
     ws = None
     if fn is not None:
@@ -542,7 +542,7 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
 
 def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 16)) -> None:
     """hc_pre decode tilings around the default (fused only): which to make the default."""
-    for block_k in (16, 32, 64):
+    for block_k in (64, 128, 256):
         for warps in (2, 4, 8):
             for mix_warps in (2, 4, 8):
                 cfg = HcConfig(16, block_k, 0, warps, 3, mix_warps)
