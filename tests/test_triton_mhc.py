@@ -19,9 +19,7 @@ import torch
 
 from moebox.ops import mhc
 from moebox.ops.attention import matmul_tf32
-from moebox.ops.mhc import (hc_head, hc_head_reference, hc_post, hc_post_next, hc_post_reference, hc_pre,
-                            hc_pre_reference)
-from moebox.ops.norm import rms_norm
+from moebox.ops.mhc import hc_head, hc_head_reference, hc_post, hc_post_reference, hc_pre, hc_pre_reference
 
 from tests.interpreter import check_in_interpreter
 
@@ -67,25 +65,16 @@ def test_dispatchers_run_the_references_on_cpu() -> None:
     Xh, fnh, bh, sh = site(3, 4, 16, seed=3, head=True)
     assert torch.equal(hc_head(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6),
                        hc_head_reference(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6))
-    # the chained forms: no partials off the fused path, and the sub-block's norm applied to x / y
-    X_new, partials = hc_post_next(out, Xp, post, comb, fn)
-    assert partials is None and torch.equal(X_new, hc_post_reference(out, Xp, post, comb))
-    w = torch.rand(16) + 0.5
-    x, post, comb = hc_pre(X, fn, base, scale, **KW, norm=w)
-    ref = hc_pre_reference(X, fn, base, scale, **KW)
-    assert torch.equal(x, rms_norm(ref[0], w, 1e-6)) and torch.equal(post, ref[1]) and torch.equal(comb, ref[2])
-    assert torch.equal(hc_head(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6, norm=w),
-                       rms_norm(hc_head_reference(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6), w, 1e-6))
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_pick_config_and_checks() -> None:
     from moebox.ops.triton.mhc import MAX_SPLIT, HcConfig, _block_h, fused_supported, hc_pre_triton, pick_config
-    from moebox.ops.triton.mhc import partial_width, resolve_config
+    from moebox.ops.triton.mhc import resolve_config
     for hc, hidden in ((4, 4096), (2, 64), (3, 96), (4, 7168)):
         for n in (1, 3, 16, 17, 300, 2048):
             cfg = pick_config(n, hc, hidden, sms=132)
-            kb = hc * -(-hidden // cfg.block_k)
+            kb = -(-hc * hidden // cfg.block_k)
             assert 1 <= cfg.split <= min(kb, MAX_SPLIT)
             per = -(-kb // cfg.split)
             assert -(-kb // per) == cfg.split            # every split has K steps
@@ -106,22 +95,15 @@ def test_pick_config_and_checks() -> None:
         hc_pre_triton(X, fn, base[:-1], scale, **KW)
     with pytest.raises(ValueError):
         hc_pre_triton(X, fn, base, scale, **KW, into=(torch.empty(3, 15), torch.empty(3, 4), torch.empty(3, 4, 4)))
-    with pytest.raises(ValueError, match="partials"):   # the head's partials (4 logits) handed to a pre site
-        hc_pre_triton(X, fn, base, scale, **KW, partials=torch.zeros(3, 2, partial_width(4)))
-    with pytest.raises(ValueError, match="norm"):
-        hc_pre_triton(X, fn, base, scale, **KW, norm=torch.ones(15))
-    assert partial_width(24) == 64 and partial_width(4) == 32
-    assert not fused_supported(torch.zeros(1, 5, 16))     # 5 streams: the reference
 
 
 _INTERPRETER_CHECK = textwrap.dedent("""
     import json, os, sys, torch
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, sys.argv[1])
-    from moebox.ops.norm import rms_norm
-    from moebox.ops.triton.mhc import (HcConfig, hc_head_reference, hc_head_triton, hc_post_logits_triton,
-                                       hc_post_reference, hc_post_triton, hc_pre_reference, hc_pre_triton)
-    from tests.test_triton_mhc import KW, post_inputs, site
+    from moebox.ops.triton.mhc import (HcConfig, PostConfig, hc_head_reference, hc_head_triton, hc_post_reference,
+                                       hc_post_triton, hc_pre_reference, hc_pre_triton)
+    from tests.test_triton_mhc import post_inputs, site
     nan = float("nan")
     results = []
 
@@ -133,16 +115,15 @@ _INTERPRETER_CHECK = textwrap.dedent("""
                             finite=bool(torch.isfinite(got).all()), rel=float((err / norm).max()),
                             ref_norm=float(norm.min()), tol=tol))
 
-    # (hc, H, N, X dtype, iters, config): default decode (4 steps of a masked 128-column tile) and prefill (one
-    # program, 8 steps, every other one partial) tilings, then forced ones: hc 3, 2 splits of 5 and 4 steps
-    # that straddle streams, 3 H blocks of 32 in kernel B; 2 token tiles x 4 splits, partial steps; 9 splits
-    # padded to 16 in kernel B, iters 1; fp16
+    # (hc, H, N, X dtype, iters, config): default decode (split 2) and prefill tilings, then forced ones:
+    # hc 3 padded to 4 with a split that leaves a partial K step (K 288, steps of 64) and 3 H blocks of 32;
+    # 2 token tiles x 4 splits (the last 1 step long); 9 splits padded to 16 in kernel B; iters 1
     cases = [(4, 64, 1, torch.float32, 20, None), (2, 64, 3, torch.float32, 20, None),
              (4, 80, 20, torch.float32, 20, None),
-             (3, 96, 5, torch.float32, 20, HcConfig(block_k=32, split=2, block_h=32)),
+             (3, 96, 5, torch.float32, 20, HcConfig(block_k=64, split=3, block_h=32)),
              (4, 80, 20, torch.float32, 20, HcConfig(block_n=16, block_k=32, split=4, block_h=64)),
-             (3, 96, 2, torch.float32, 1, HcConfig(block_k=16, split=9, block_h=32)),
-             (4, 256, 3, torch.float16, 20, None), (2, 64, 17, torch.float16, 20, HcConfig(16, 16, 3, block_h=16))]
+             (3, 96, 2, torch.float32, 1, HcConfig(block_k=32, split=9, block_h=32)),
+             (4, 256, 3, torch.float16, 20, None), (2, 64, 17, torch.float16, 20, HcConfig(16, 32, 3, block_h=16))]
     for i, (hc, H, n, dt, iters, cfg) in enumerate(cases):
         X, fn, base, scale = site(n, hc, H, dt, seed=i)
         if i == 2:   # tokens with a row stride: every other row of a wider batch
@@ -162,36 +143,15 @@ _INTERPRETER_CHECK = textwrap.dedent("""
             ref = hc_head_reference(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
             add(f"hc_head hc={hc} H={H} N={n} {dt}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
 
-    # hc_post: (hc, H, N, dtype, config); the fp16 reference rounds 3 times, the kernel once. Then the chain:
-    # the same post with the next site's logits (or the head's), and that site from the partials, normalised
+    # hc_post: (hc, H, N, dtype, config); the fp16 reference rounds 3 times, the kernel once
     for i, (hc, H, n, dt, cfg) in enumerate([(4, 64, 3, torch.float32, None), (2, 256, 1, torch.float32, None),
-                                             (3, 96, 20, torch.float16, HcConfig(block_k=16, split=4)),
-                                             (4, 80, 5, torch.float16, HcConfig(block_k=16, split=2, num_warps=2))]):
+                                             (3, 96, 20, torch.float16, PostConfig(block_h=32)),
+                                             (4, 80, 5, torch.float16, PostConfig(num_warps=2, block_h=64))]):
         out, X, post, comb = post_inputs(n, hc, H, dt, seed=20 + i)
-        tol = 1e-3 if dt == torch.float16 else 1e-6
         y = torch.full((n, hc, H), nan, dtype=dt)
         got = hc_post_triton(out, X, post.t().contiguous().t() if i == 0 else post, comb, into=y, config=cfg)
         ref = hc_post_reference(out, X, post, comb)
-        add(f"hc_post hc={hc} H={H} N={n} {dt} {cfg}", got, ref, y, tol)
-        head = i % 2 == 1
-        _, fn, base, scale = site(n, hc, H, dt, seed=30 + i, head=head)
-        w = 0.5 + torch.rand(H, generator=torch.Generator().manual_seed(i))
-        y2 = torch.full((n, hc, H), nan, dtype=dt)
-        Y, part = hc_post_logits_triton(out, X, post, comb, fn, into=y2, config=cfg)
-        add(f"hc_post_logits hc={hc} H={H} N={n} {dt} {cfg}: X_new", Y, ref, y2, tol)
-        name = f"chained {'hc_head' if head else 'hc_pre'} hc={hc} H={H} N={n} {dt} {cfg}"
-        if head:
-            x = torch.full((n, H), nan, dtype=dt)
-            hc_head_triton(Y, fn, base, scale, eps=1e-6, norm_eps=1e-6, norm=w, partials=part, into=x)
-            add(f"{name}: y", x, rms_norm(hc_head_reference(Y, fn, base, scale, eps=1e-6, norm_eps=1e-6), w, 1e-6),
-                x, 2 * tol)
-        else:
-            into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
-            got = hc_pre_triton(Y, fn, base, scale, **KW, norm=w, partials=part, into=into)
-            x_ref, post_ref, comb_ref = hc_pre_reference(Y, fn, base, scale, **KW)
-            add(f"{name}: x", got[0], rms_norm(x_ref, w, 1e-6), into[0], 2 * tol)
-            add(f"{name}: post", got[1], post_ref, into[1], 4e-6)
-            add(f"{name}: comb", got[2], comb_ref, into[2], 4e-6)
+        add(f"hc_post hc={hc} H={H} N={n} {dt} {cfg}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
     print("RESULT " + json.dumps(results))
 """)
 
@@ -311,53 +271,14 @@ def test_gpu_hc_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
     _assert_x_close(got, ref, X)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n", [1, 16, 300])
-@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_chained_post_then_pre_and_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
-    """The decode chain: hc_post with the next site's logits gives bit for bit hc_post's streams and kernel A's
-    partials over them, so the site (and the head) from those partials equals the unchained call bit for bit; its
-    normalised x is rms_norm of the reference's x within bf16 / fp32 rounding."""
-    from moebox.ops.triton.mhc import hc_head_triton, hc_post_logits_triton, hc_post_triton, hc_pre_triton
-    _, hc, hidden = shape
-    out, X, post, comb = post_inputs(n, hc, hidden, dtype, "cuda", seed=n)
-    w = torch.rand(hidden, generator=torch.Generator().manual_seed(n)).add(0.5).cuda()
-    for head in (False, True):
-        _, fn, base, scale = site(n, hc, hidden, dtype, "cuda", seed=n + 1, head=head)
-        _poison_allocator()
-        Y, part = hc_post_logits_triton(out, X, post, comb, fn)
-        assert torch.equal(Y, hc_post_triton(out, X, post, comb))
-        if head:
-            kw = dict(eps=1e-6, norm_eps=1e-6)
-            got = hc_head_triton(Y, fn, base, scale, **kw, partials=part)
-            assert torch.equal(got, hc_head_triton(Y, fn, base, scale, **kw))
-            normed = hc_head_triton(Y, fn, base, scale, **kw, norm=w, partials=part)
-            with matmul_tf32(False):
-                x_ref = hc_head_reference(Y, fn, base, scale, **kw)
-        else:
-            got = hc_pre_triton(Y, fn, base, scale, **KW, partials=part)
-            assert all(torch.equal(a, b) for a, b in zip(got, hc_pre_triton(Y, fn, base, scale, **KW)))
-            normed = hc_pre_triton(Y, fn, base, scale, **KW, norm=w, partials=part)[0]
-            with matmul_tf32(False):
-                x_ref = hc_pre_reference(Y, fn, base, scale, **KW)[0]
-        torch.cuda.synchronize()
-        assert torch.isfinite(normed).all()
-        ref = rms_norm(x_ref, w, 1e-6)
-        assert rel_err(normed, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-5), rel_err(normed, ref)
-        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
-        assert bool(((normed.double() - ref.double()).abs() <= 2 * ulp * ref.double().abs() + 1e-5).all())
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_prefill_forced_tilings_and_strides() -> None:
     from moebox.ops.triton.mhc import HcConfig
     _check_pre(2048, 4, 4096, torch.bfloat16)
-    for cfg in (HcConfig(split=1), HcConfig(block_k=16, split=256), HcConfig(block_n=64, block_k=64, split=7),
-                HcConfig(block_n=16, block_k=64, num_warps=8, mix_warps=8),
-                HcConfig(block_k=16, split=100, mix_warps=2, block_h=128)):
+    for cfg in (HcConfig(split=1), HcConfig(block_k=64, split=256), HcConfig(block_n=64, block_k=64, split=7),
+                HcConfig(block_n=16, block_k=256, num_warps=8, mix_warps=8),
+                HcConfig(block_k=32, split=100, mix_warps=2, block_h=128)):
         for n in (1, 17, 300):
             _check_pre(n, 4, 4096, torch.bfloat16, config=cfg)
         _check_pre(5, 3, 96, torch.float32, config=cfg)
@@ -371,21 +292,16 @@ def test_gpu_prefill_forced_tilings_and_strides() -> None:
 def test_gpu_dispatch_takes_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
     from moebox.ops.triton import mhc as fused
     calls = []
-    for name in ("hc_pre_triton", "hc_post_triton", "hc_post_logits_triton", "hc_head_triton"):
+    for name in ("hc_pre_triton", "hc_post_triton", "hc_head_triton"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     X, fn, base, scale = site(3, 4, 256, torch.bfloat16, "cuda")
     x, post, comb = mhc.hc_pre(X, fn, base, scale, **KW)
     mhc.hc_post(x, X, post, comb)
     mhc.hc_head(X, fn[:4], base[:4], scale[:1], eps=1e-6, norm_eps=1e-6)
-    mhc.hc_post_next(x, X, post, comb, fn)
-    assert calls == ["hc_pre_triton", "hc_post_triton", "hc_post_logits_triton", "hc_head_triton",
-                     "hc_post_logits_triton"]
+    assert calls == ["hc_pre_triton", "hc_post_triton", "hc_head_triton"]
     mhc.hc_post(x.float(), X, post, comb)  # out of another dtype: the reference
-    assert mhc.hc_post_next(x.float(), X, post, comb, fn)[1] is None
-    assert len(calls) == 5
-    monkeypatch.setenv("MOEBOX_MHC_CHAIN", "0")           # switched off: the post alone, no partials
-    assert mhc.hc_post_next(x, X, post, comb, fn)[1] is None and calls[-1] == "hc_post_triton"
+    assert len(calls) == 3
 
 
 @pytest.mark.gpu
@@ -393,27 +309,25 @@ def test_gpu_dispatch_takes_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> N
 def test_gpu_cuda_graph_replay() -> None:
     """A block's mHC calls (pre, post, pre, post) and the head captured in one CUDA graph; replays follow new
     streams written into the static input, with all outputs poisoned before each replay."""
-    from moebox.ops.triton.mhc import hc_head_triton, hc_post_logits_triton, hc_pre_triton
+    from moebox.ops.triton.mhc import hc_head_triton, hc_post_triton, hc_pre_triton
     n, hc, hidden = 4, 4, 4096
     X, fn1, b1, s1 = site(n, hc, hidden, torch.bfloat16, "cuda", seed=1)
     _, fn2, b2, s2 = site(n, hc, hidden, torch.bfloat16, "cuda", seed=2)
     _, fnh, bh, sh = site(n, hc, hidden, torch.bfloat16, "cuda", seed=3, head=True)
 
-    w = torch.rand(hidden, device="cuda") + 0.5
-
-    def step(X: torch.Tensor):   # the second site and the head chained, as the model runs them
+    def step(X: torch.Tensor):
         x1, p1, c1 = hc_pre_triton(X, fn1, b1, s1, **KW)
-        X1, part = hc_post_logits_triton(torch.tanh(x1), X, p1, c1, fn2)
-        x2, p2, c2 = hc_pre_triton(X1, fn2, b2, s2, **KW, norm=w, partials=part)
-        X2, part = hc_post_logits_triton(x2 * 0.5, X1, p2, c2, fnh)
-        return x1, X1, X2, hc_head_triton(X2, fnh, bh, sh, eps=1e-6, norm_eps=1e-6, norm=w, partials=part)
+        X1 = hc_post_triton(torch.tanh(x1), X, p1, c1)
+        x2, p2, c2 = hc_pre_triton(X1, fn2, b2, s2, **KW)
+        X2 = hc_post_triton(x2 * 0.5, X1, p2, c2)
+        return x1, X1, X2, hc_head_triton(X2, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
 
     def ref_step(X: torch.Tensor):
         x1, p1, c1 = hc_pre_reference(X, fn1, b1, s1, **KW)
         X1 = hc_post_reference(torch.tanh(x1), X, p1, c1)
         x2, p2, c2 = hc_pre_reference(X1, fn2, b2, s2, **KW)
-        X2 = hc_post_reference(rms_norm(x2, w, 1e-6) * 0.5, X1, p2, c2)
-        return x1, X1, X2, rms_norm(hc_head_reference(X2, fnh, bh, sh, eps=1e-6, norm_eps=1e-6), w, 1e-6)
+        X2 = hc_post_reference(x2 * 0.5, X1, p2, c2)
+        return x1, X1, X2, hc_head_reference(X2, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

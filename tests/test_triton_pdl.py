@@ -67,19 +67,19 @@ def test_pdl_is_on_unless_switched_off_and_never_for_cpu_tensors(monkeypatch):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_the_hopper_build_waits_before_its_first_load():
-    """mHC's post (+ logits) kernel built for sm_90 (no GPU needed): with PDL the PTX waits on the grid dependency
-    before its first global load and then lets dependents launch; without PDL neither instruction is there."""
+    """mHC's post kernel built for sm_90 (no GPU needed): with PDL the PTX waits on the grid dependency before its
+    first global load and then lets dependents launch; without PDL neither instruction is there."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from moebox.ops.triton import mhc
     from moebox.ops.triton.runtime import triton
 
-    fn = mhc._post_logits_kernel
-    ptrs = ("X_ptr", "o_ptr", "post_ptr", "comb_ptr", "Y_ptr", "fn_ptr", "ws_ptr")
+    fn = mhc._post_kernel
+    ptrs = ("o_ptr", "X_ptr", "post_ptr", "comb_ptr", "y_ptr")
     for pdl in (True, False):
-        const = dict(HC=4, BLOCK_N=16, BLOCK_K=128, M_DOT=32, M_PAD=64, POST=True, LOGITS=True, PDL=pdl)
-        sig = {a: "*bf16" if a in ("X_ptr", "o_ptr", "Y_ptr") else "*fp32" if a in ptrs else
+        const = dict(HC=4, HC_PAD=4, BLOCK_H=1024, PDL=pdl)
+        sig = {a: "*bf16" if a in ("o_ptr", "X_ptr", "y_ptr") else "*fp32" if a in ptrs else
                "constexpr" if a in const else "i32" for a in fn.arg_names}
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in const.items()})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
@@ -100,16 +100,16 @@ def test_gpu_a_dependent_chain_in_a_cuda_graph_gives_the_same_bits_with_pdl(monk
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or newer")
     from moebox.ops.cuda_graphs import capture
-    from moebox.ops.triton.mhc import hc_post_logits_triton, hc_pre_triton, random_site
+    from moebox.ops.triton.mhc import hc_post_triton, hc_pre_triton, random_site
 
     X0, fn, base, scale = random_site(4)
     kw = dict(iters=20, eps=1e-6, norm_eps=1e-6)
 
-    def chain() -> torch.Tensor:   # as the model chains its sites: each post computes the next one's logits
-        X, partials = X0, None
+    def chain() -> torch.Tensor:
+        X = X0
         for _ in range(30):
-            x, post, comb = hc_pre_triton(X, fn, base, scale, **kw, partials=partials)
-            X, partials = hc_post_logits_triton(torch.tanh(x), X, post, comb, fn)   # a torch kernel in between
+            x, post, comb = hc_pre_triton(X, fn, base, scale, **kw)
+            X = hc_post_triton(torch.tanh(x), X, post, comb)   # a torch kernel in between, as in the model
         return X
 
     results = {}

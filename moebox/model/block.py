@@ -9,7 +9,8 @@ from moebox.model.attention import Attention, WeightSource
 from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
-from moebox.ops.mhc import hc_post_next, hc_pre
+from moebox.ops.mhc import hc_post, hc_pre
+from moebox.ops.norm import rms_norm
 
 
 class Block:
@@ -23,12 +24,10 @@ class Block:
         self.hc_attn = (g("hc_attn_fn"), g("hc_attn_base"), g("hc_attn_scale"))
         self.hc_ffn = (g("hc_ffn_fn"), g("hc_ffn_base"), g("hc_ffn_scale"))
 
-    def __call__(self, X: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None,
-                 partials: torch.Tensor | None, next_fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """X -> (X after the block, the partials of the next mHC site, whose fn is `next_fn`: see `hc_pre`)."""
+    def __call__(self, X: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg = self.cfg
         kw = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        x, post, comb = hc_pre(X, *self.hc_attn, **kw, norm=self.attn_norm, partials=partials)
-        X, partials = hc_post_next(self.attn(x, batch, cache), X, post, comb, self.hc_ffn[0])
-        x, post, comb = hc_pre(X, *self.hc_ffn, **kw, norm=self.ffn_norm, partials=partials)
-        return hc_post_next(self.ffn(x, batch.tokens), X, post, comb, next_fn)
+        x, post, comb = hc_pre(X, *self.hc_attn, **kw)
+        X = hc_post(self.attn(rms_norm(x, self.attn_norm, cfg.rms_norm_eps), batch, cache), X, post, comb)
+        x, post, comb = hc_pre(X, *self.hc_ffn, **kw)
+        return hc_post(self.ffn(rms_norm(x, self.ffn_norm, cfg.rms_norm_eps), batch.tokens), X, post, comb)

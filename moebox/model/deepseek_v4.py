@@ -27,21 +27,15 @@ class ForwardOutput:
     hidden: torch.Tensor     # [N, hc, H] final residual streams (pre HC head): the MTP block's input
 
 
-def _rows_of(partials: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if partials is None else partials[rows]
-
-
 class OutputHead:
     """HC head -> RMSNorm -> lm head (fp32, as the reference computes it)."""
 
     def __init__(self, cfg: ModelConfig, hc: tuple[torch.Tensor, ...], norm: torch.Tensor, head) -> None:
         self.cfg, self.hc, self.norm, self.head = cfg, hc, norm, head
 
-    def __call__(self, X: torch.Tensor, partials: torch.Tensor | None) -> torch.Tensor:
-        """X [rows, hc, H] and its partials for the HC head (see `hc_pre`) -> logits."""
-        y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps, norm=self.norm,
-                    partials=partials)
-        return logits_linear(y, self.head)
+    def __call__(self, X: torch.Tensor) -> torch.Tensor:
+        y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
+        return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)
 
 
 class MTPBlock:
@@ -54,8 +48,7 @@ class MTPBlock:
         self.e_proj, self.h_proj = g("e_proj.weight"), g("h_proj.weight")
         self.enorm, self.hnorm = g("enorm.weight"), g("hnorm.weight")
         self.block = Block(cfg, get, prefix, kind=SLIDING, ratio=0, is_hash=False, qat=qat)
-        self.head_fn = g("hc_head_fn")
-        self.out = OutputHead(cfg, (self.head_fn, g("hc_head_base"), g("hc_head_scale")), g("norm.weight"), head)
+        self.out = OutputHead(cfg, (g("hc_head_fn"), g("hc_head_base"), g("hc_head_scale")), g("norm.weight"), head)
 
     def __call__(self, hidden: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None,
                  logits_rows: torch.Tensor | None = None) -> ForwardOutput:
@@ -64,9 +57,9 @@ class MTPBlock:
         e = rms_norm(self.embed[batch.tokens].to(hidden.dtype), self.enorm, eps)
         h = rms_norm(hidden, self.hnorm, eps)
         X = linear(e, self.e_proj).unsqueeze(1) + linear(h, self.h_proj)
-        X, partials = self.block(X, batch, cache, None, self.head_fn)
+        X = self.block(X, batch, cache)
         rows = batch.last_rows() if logits_rows is None else logits_rows
-        return ForwardOutput(self.out(X[rows], _rows_of(partials, rows)), X)
+        return ForwardOutput(self.out(X[rows]), X)
 
 
 class DeepseekV4:
@@ -75,9 +68,8 @@ class DeepseekV4:
         self.cfg, self.qat, self.dtype, self.kv_layout = cfg, qat, dtype, kv_layout
         self.embed = get("embed.weight")
         head = get("head.weight")
-        self.head_fn = get("hc_head_fn")    # also the last block's next mHC site (see Block)
-        self.out = OutputHead(cfg, (self.head_fn, get("hc_head_base"), get("hc_head_scale")), get("norm.weight"),
-                              head)
+        self.out = OutputHead(cfg, (get("hc_head_fn"), get("hc_head_base"), get("hc_head_scale")),
+                              get("norm.weight"), head)
         self.layers = [Block(cfg, get, f"layers.{i}.", kind=cfg.attn_types[i], ratio=cfg.compress_ratios[i],
                              is_hash=cfg.hash_layers[i], qat=qat) for i in range(cfg.num_layers)]
         self.mtp = [MTPBlock(cfg, get, f"mtp.{j}.", qat, self.embed, head)
@@ -91,12 +83,10 @@ class DeepseekV4:
             raise ValueError("a DecodeBatch, or a segment starting after position 0, needs a KVCache")
         X = self.embed[batch.tokens].to(self.dtype)
         X = X.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        partials = None
         for i, layer in enumerate(self.layers):
-            next_fn = self.layers[i + 1].hc_attn[0] if i + 1 < len(self.layers) else self.head_fn
-            X, partials = layer(X, batch, cache.layers[i] if cache is not None else None, partials, next_fn)
+            X = layer(X, batch, cache.layers[i] if cache is not None else None)
         rows = batch.last_rows() if logits_rows is None else logits_rows
-        return ForwardOutput(self.out(X[rows], _rows_of(partials, rows)), X)
+        return ForwardOutput(self.out(X[rows]), X)
 
     def mtp_forward(self, hidden: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: KVCache | None = None,
                     depth: int = 0, logits_rows: torch.Tensor | None = None) -> ForwardOutput:

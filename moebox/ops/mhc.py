@@ -4,8 +4,6 @@ All mixing math runs in fp32 (as the reference does); see deepseek_v4.md §2.2 f
 `hc_pre` / `hc_post` / `hc_head` dispatch: CUDA tensors go to the fused Triton kernels (moebox/ops/triton/mhc.py)
 when triton imports, everything else to the torch references below (`*_reference`). Under autograd (training
 on CUDA) the references run compiled (`fused`): the Sinkhorn loop is ~100 tiny ops forward and more backward.
-The model chains its sites: `hc_post_next` hands the next site's hc_pre / hc_head the partials of its logits,
-and they take the sub-block's RMSNorm weight (`norm`), so a fused site is two launches.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import torch.nn.functional as F
 
 from moebox.ops.fuse import fused
 from moebox.ops.norm import rms_norm
-from moebox.ops.triton.runtime import kernel_switched_on
 
 
 def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | None:
@@ -33,17 +30,11 @@ def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | Non
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
-           norm_eps: float, norm: torch.Tensor | None = None,
-           partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32). With `norm` (the
-    sub-block's RMSNorm weight) the input comes back normalised: rms_norm(x, norm, norm_eps). `partials`: what
-    `hc_post_next` returned for X and this fn (the fused path then skips its first kernel; the references
-    ignore it)."""
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
     if (f := _fused(X)) is not None:
-        return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps, norm=norm,
-                               partials=partials)
-    x, post, comb = hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
-    return (x if norm is None else rms_norm(x, norm, norm_eps)), post, comb
+        return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
+    return hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
 
 
 def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -53,27 +44,12 @@ def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.
     return hc_post_reference(out, X, post, comb)
 
 
-def hc_post_next(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                 next_fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`hc_post`, and the partials of the next site's hc_pre / hc_head (fn `next_fn`) over X_new for its
-    `partials` argument, computed in the same launch on the fused path at decode sizes (else None), unless
-    MOEBOX_MHC_CHAIN=0: on the H200 this chain has not yet shown a gain over the separate launches end to end
-    (docs/benchmarks.md, tenth session), so it keeps a switch for the A/B that decides."""
-    if (f := _fused(X, out)) is not None:
-        if X.shape[0] <= f.CHAIN_MAX_TOKENS and kernel_switched_on(X, "MOEBOX_MHC_CHAIN"):
-            return f.hc_post_logits_triton(out, X, post, comb, next_fn)
-        return f.hc_post_triton(out, X, post, comb), None
-    return hc_post_reference(out, X, post, comb), None
-
-
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
-            norm_eps: float, norm: torch.Tensor | None = None, partials: torch.Tensor | None = None) -> torch.Tensor:
-    """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j] (`norm`, `partials`: as in
-    `hc_pre`)."""
+            norm_eps: float) -> torch.Tensor:
+    """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j]."""
     if (f := _fused(X)) is not None:
-        return f.hc_head_triton(X, fn, base, scale, eps=eps, norm_eps=norm_eps, norm=norm, partials=partials)
-    y = hc_head_reference(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
-    return y if norm is None else rms_norm(y, norm, norm_eps)
+        return f.hc_head_triton(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
+    return hc_head_reference(X, fn, base, scale, eps=eps, norm_eps=norm_eps)
 
 
 @fused
