@@ -10,7 +10,10 @@
 #   bash bench/gpu_session.sh decode4k  # the decode bench at context 4K alone (batch 1-16 and the breakdown)
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
-#                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0")
+#                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
+#                                       # and AB_CONTEXT change the batch sizes and the context)
+#   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
+#                                       # them, PDL off and on ($OUT/timeline-pdl0.tsv, timeline-pdl1.tsv)
 #   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES or
 #                                       # STEPS + PAUSE, and TRAIN_ARGS: more `moebox train` flags, JSON without
 #                                       # spaces); on one GPU run it alone (next to the tests its cold compile
@@ -18,7 +21,7 @@
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
 #   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
-#   bash bench/gpu_session.sh mhc       # the mHC kernels (pre, post, and the decode chain's post+logits, mix+norm)
+#   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post, hc_head against the torch references)
 #   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
 #   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
@@ -27,7 +30,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|mhc|topk|ncu|profile|decode|decode4k|ab|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|mhc|topk|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -52,7 +55,8 @@ tests)
     step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
         ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
-        tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_cuda.py}
+        tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
+        tests/test_cuda.py}
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
     step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
@@ -73,6 +77,12 @@ profile)                      # per-kernel device time of a decode step (PROFILE
     step profile env MOEBOX_PDL=0 python3 -m moebox.bench.decode decode --context 4096 \
         --batch "${PROFILE_BATCH:-1}" --kernels 60 --no-breakdown
     ;;
+timeline)
+    for pdl in 0 1; do
+        step "timeline-pdl$pdl" env MOEBOX_PDL=$pdl python3 -m moebox.bench.decode decode --context 4096 --batch 1 \
+            --no-breakdown --timeline "$out/timeline-pdl$pdl.tsv"
+    done
+    ;;
 kernels)
     step attention-kernel python3 -m moebox.ops.triton.decode_attention
     step compress-kernel python3 -m moebox.ops.triton.compress_decode
@@ -92,8 +102,8 @@ decode4k)
 ab)                           # AB="..." picks the switches (default: each part of the fast path off)
     for switch in ${AB:-MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do
         # shellcheck disable=SC2086  # a switch may set several variables: A=1,B=1
-        step "decode-$switch" env ${switch//,/ } python3 -m moebox.bench.decode decode --context 4096 --batch 1 16 \
-            --no-breakdown
+        step "decode-$switch" env ${switch//,/ } python3 -m moebox.bench.decode decode --context ${AB_CONTEXT:-4096} \
+            --batch ${AB_BATCH:-1 16} --no-breakdown
     done
     ;;
 train)

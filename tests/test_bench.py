@@ -29,9 +29,10 @@ def _table_rows(text: str) -> list[list[str]]:
             if line.startswith("| ") and not line.startswith("| context") and not line.startswith("| prompt")]
 
 
-def test_bench_decode_cli_reports_each_row():
+def test_bench_decode_cli_reports_each_row(tmp_path):
+    timeline = tmp_path / "timeline.tsv"
     out = _run("decode", "--batch", "1", "3", "--context", "40", "90", "--steps", "2", "--verify", "2",
-               "--kernels", "4")
+               "--kernels", "4", "--timeline", str(timeline))
     decode, _, rest = out.partition("speculative verify steps")
     verify, _, kernels = rest.partition("CPU ops of a decode step, batch 1, context 40")
     rows = _table_rows(decode)
@@ -47,6 +48,14 @@ def test_bench_decode_cli_reports_each_row():
     us = [float(r[2]) for r in krows]
     shares = [float(r[3].rstrip("%")) for r in krows]
     assert us == sorted(us, reverse=True) and shares == sorted(shares, reverse=True) and sum(shares) <= 100.05
+    # one step's ops in launch order, each with its duration and the idle time before it
+    header, *lines = timeline.read_text().splitlines()
+    assert header.split("\t") == ["start_us", "dur_us", "idle_us", "name"]
+    assert f"{len(lines)} rows in {timeline}" in out
+    starts = [float(line.split("\t")[0]) for line in lines]
+    assert len(lines) > 50 and starts[0] == 0 and starts == sorted(starts)
+    assert any("linear" in line or "mm" in line for line in lines)
+    assert all(float(line.split("\t")[1]) >= 0 and float(line.split("\t")[2]) >= 0 for line in lines)
 
 
 def test_bench_prefill_cli_reports_each_prompt():

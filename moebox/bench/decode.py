@@ -284,14 +284,44 @@ def profile_kernels(step: Callable[[], object], device: torch.device, steps: int
     return rows, total * 1e-6
 
 
-def kernel_profile(model: DeepseekV4, batch_size: int, context: int, steps: int, use_graphs: bool,
-                   top: int) -> tuple[list[list[str]], float]:
-    """`profile_kernels` of one decode step (CUDA-graph replays when `use_graphs`)."""
+def kernel_timeline(step: Callable[[], object], device: torch.device, path: str) -> int:
+    """Write one profiled `step`'s device activity in launch order to `path` (tab-separated: start us from the
+    first, duration us, idle us since the ones before ended, name; on the CPU: its ops, nested ones included)
+    and return the number of rows. The profile's totals say which kernels cost most; this says in what order
+    they run and where the device waits between them."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    _timed(step, device, 1)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+    t0 = end = events[0].time_range.start
+    with open(path, "w") as f:
+        f.write("start_us\tdur_us\tidle_us\tname\n")
+        for e in events:
+            start, stop = e.time_range.start, e.time_range.end
+            f.write(f"{start - t0:.2f}\t{stop - start:.2f}\t{max(0.0, start - end):.2f}\t{e.name[:120]}\n")
+            end = max(end, stop)
+    return len(events)
+
+
+def _profiled_step(model: DeepseekV4, batch_size: int, context: int, use_graphs: bool) -> Callable[[], object]:
+    """One decode step as a call (a CUDA-graph replay when `use_graphs`) with its own cache."""
     cfg, device = model.cfg, model.embed.device
     cache = model.new_cache(batch_size + 1, context + 1, device)
     graphs = DecodeGraphs(model, cache, batch_size, [batch_size]) if use_graphs else None
-    step = _step_call(model, _step_batch(cfg, batch_size, context, device), cache, graphs)
-    return profile_kernels(step, device, steps, top)
+    return _step_call(model, _step_batch(cfg, batch_size, context, device), cache, graphs)
+
+
+def kernel_profile(model: DeepseekV4, batch_size: int, context: int, steps: int, use_graphs: bool,
+                   top: int) -> tuple[list[list[str]], float]:
+    """`profile_kernels` of one decode step (CUDA-graph replays when `use_graphs`)."""
+    step = _profiled_step(model, batch_size, context, use_graphs)
+    return profile_kernels(step, model.embed.device, steps, top)
 
 
 # ----------------------------------------------------------------------------------------- prefill
@@ -370,6 +400,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also profile the decode step at the first batch size and context (prefill: the first "
                         "prompt's first chunk): its N costliest kernels (CPU ops on the CPU)")
+    p.add_argument("--timeline", metavar="FILE", default=None,
+                   help="also write the device activity of one decode step at the first batch size and context, in "
+                        "launch order with the idle time between launches, to FILE (tab-separated)")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="also time speculative verify steps (K drafts + 1 token per sequence) at the first context")
     spec.configure(p.add_argument_group("spec"))
@@ -428,6 +461,11 @@ def _report_decode(args: argparse.Namespace, model: DeepseekV4, dense: int, cfg:
         print(f"\n{'kernels' if on_gpu else 'CPU ops'} of a decode step, batch {b}, context {context} (profiled: "
               f"{total * 1e3:.2f} ms of {'device' if on_gpu else 'CPU'} time per step):")
         print(table(["kernel" if on_gpu else "op", "per step", "us per step", "of profiled"], rows_k))
+    if args.timeline:
+        step = _profiled_step(model, args.batch[0], args.context[0], on_gpu and not args.enforce_eager)
+        n = kernel_timeline(step, device, args.timeline)
+        print(f"\ntimeline of a decode step, batch {args.batch[0]}, context {args.context[0]}: {n} rows in "
+              f"{args.timeline}")
     if not on_gpu:
         return
     if not args.no_breakdown:

@@ -25,6 +25,7 @@ from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, norm_rope, rope_inv_freq
+from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 WeightSource = Callable[[str], Weight]
@@ -144,26 +145,33 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg, pos = self.cfg, batch.positions
         n = x.shape[0]
+        decode = isinstance(batch, DecodeBatch)
         q_a, kv, *rest = self.from_x(x)
-        qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
-        q, *index_q = self.from_qr(qr)
-        q = norm_rope(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps, pos, self.inv_freq)
-        kv = norm_rope(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq)
-        if self.qat:
-            kv = round_kv_nope(kv, cfg.nope_head_dim)
         # compressor and indexer rows stay in x's dtype here (on the GPU: bf16 products with fp32 accumulation);
         # their users widen them to fp32, inside the decode step's fused functions and kernels
         comp = (rest[0], rest[1]) if self.compressor else None
+        icomp = (rest[3], rest[4]) if self.indexer else None
+        # a decode step stores its keys and pools the compressors' entries on a side stream, next to the queries
+        with Branch(x, "attention", reads=(kv, *rest), enabled=decode) as keys_branch:
+            kv = norm_rope(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq)
+            if self.qat:
+                kv = round_kv_nope(kv, cfg.nope_head_dim)
+            if decode:
+                assert cache is not None, "a DecodeBatch needs a KVCache"
+                stored = self._store_decode(batch, kv, comp, icomp, cache)
+        qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
+        q, *index_q = self.from_qr(qr)
+        q = norm_rope(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps, pos, self.inv_freq)
         idx = None
         if self.indexer is not None:
             qi = apply_rope(index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim), pos, self.inv_freq)
             if self.qat:
                 qi = round_index_vectors(qi)
-            idx = (qi, rest[2], (rest[3], rest[4]))
+            idx = (qi, rest[2], icomp)
+        keys_branch.join()
 
-        if isinstance(batch, DecodeBatch):
-            assert cache is not None, "a DecodeBatch needs a KVCache"
-            out = self._decode(batch, q, kv, comp, idx, cache)
+        if decode:
+            out = self._attend_decode(batch, q, idx, stored, cache)
         elif cache is None and (t := batch.uniform_length()) is not None:
             out = self._fresh(t, q, kv, comp, idx)
         else:
@@ -295,26 +303,41 @@ class Attention:
         return scores.topk(k, dim=-1, sorted=False).indices if k else None
 
     # ------------------------------------------------------------------ shape-static decode (DecodeBatch)
-    def _decode(self, batch: DecodeBatch, q: torch.Tensor, kv: torch.Tensor, comp, idx,
-                cache: LayerCache) -> torch.Tensor:
+    def _store_decode(self, batch: DecodeBatch, kv: torch.Tensor, comp, icomp,
+                      cache: LayerCache) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The key half of a decode step: store each sequence's K=V row in its window ring and, in compressed
+        layers, pool and store the compressors' entries -> what `_attend_decode` reads: (the ring's keys read
+        out [B, R, d], None when the attention kernel reads the ring itself; which ring rows are inside the
+        window [B, R]; which entries are visible [B, E] or None)."""
         cfg, pos, slot = self.cfg, batch.positions, batch.slots
-        scale = cfg.head_dim ** -0.5
-        entries = rows = valid = None
+        valid = None
         if self.compressor is not None:
             valid = self._compress(self.compressor, comp, batch, cache.raw_kv, cache.raw_gate, cache.entries,
                                    "kv" if self.qat else None)
             if self.indexer is not None:
-                qi, wi, icomp = idx
                 self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate,
                                cache.index_keys, "index" if self.qat else None)
+        if attention_kernel_takes(kv, cache.window, cache.entries if self.compressor else None):
+            return None, window_mask(kv, pos, slot, cache.window, cfg.sliding_window), valid
+        return *window_step(kv, pos, slot, cache.window, cfg.sliding_window), valid
+
+    def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
+                       cache: LayerCache) -> torch.Tensor:
+        """The query half of a decode step: the indexer's top-k (CSA), then attention over the window and the
+        selected (CSA) or all (HCA) entries; `stored` is what `_store_decode` returned."""
+        cfg, slot = self.cfg, batch.slots
+        scale = cfg.head_dim ** -0.5
+        keys, visible, valid = stored
+        entries = rows = None
+        if self.compressor is not None:
+            if self.indexer is not None:
+                qi, wi, _ = idx
                 rows, valid = index_select(qi, wi, self.index_scale, cache.index_keys, slot, valid, cfg.index_topk)
             entries = cache.entries
-        if attention_kernel_takes(q, cache.window, entries):
-            visible = window_mask(kv, pos, slot, cache.window, cfg.sliding_window)
+        if keys is None:
             return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid)
-        keys, visible = window_step(kv, pos, slot, cache.window, cfg.sliding_window)
         if entries is not None and rows is None:                  # HCA: every entry row
-            rows = torch.arange(valid.shape[1], device=pos.device)[None, :]
+            rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
         return attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid)
 
     def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,

@@ -15,6 +15,7 @@ from moebox.config import ModelConfig
 from moebox.model.attention import WeightSource
 from moebox.ops.linear import SharedInputLinear, linear
 from moebox.ops.moe import route, route_from_logits, routed_experts, router_logits, swiglu
+from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 
@@ -40,10 +41,14 @@ class MoE:
             self.layer_planes = None
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if self.shared_in is None:
+            return self.routed(x, tokens)
+        # at decode the shared expert runs on a side stream next to the routing and the routed experts
+        with Branch(x, "moe", reads=(x,), enabled=x.shape[0] <= DECODE_TOKENS) as shared_branch:
+            shared = self.shared_expert(x)
         out = self.routed(x, tokens)
-        if self.shared_in is not None:
-            out = out + self.shared_expert(x)
-        return out
+        shared_branch.join()
+        return out + shared
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], weights [N, k] fp32). A decode batch of a scored layer on CUDA routes its logits in

@@ -1,0 +1,68 @@
+"""`Branch`: a piece of a decode step that runs on a second CUDA stream, next to what follows it.
+
+A decode step at batch 1-16 is a chain of small kernels, most of them too small to fill the GPU; some links of
+the chain do not depend on each other (a block's shared expert and its routed experts; attention's key path,
+which stores this step's keys and pools the compressors' entries, and its query path, whose product reads
+40 MB of weights). On two streams the small kernels of one run in the gaps of the other, and a CUDA graph
+captures both as parallel branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain);
+`MOEBOX_OVERLAP=moe` (or `attention`) only the branches of that name.
+
+The tensors the branch reads from the main stream are passed as `reads`: the branch holds them until `join`.
+The caching allocator hands a freed block to the next allocation on the stream that allocated it, so a tensor
+that the caller drops (rebinding its name, say) while the branch still reads it would be overwritten by the
+main stream's next tensors: in a CUDA graph, where both branches really run side by side, that is a wrong
+result every replay (the tiny model's separate key projection did exactly that).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def overlap_switched_on(t: torch.Tensor, name: str) -> bool:
+    """Whether the branch `name` on t's device may run on a side stream: CUDA tensors, unless MOEBOX_OVERLAP is
+    0 or names other branches (comma-separated)."""
+    value = os.environ.get("MOEBOX_OVERLAP", "1")
+    return t.is_cuda and (value == "1" or name in value.split(","))
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(index)
+    return _side_streams[index]
+
+
+class Branch:
+    """`with Branch(x, name, reads) as b:` runs its body on the side stream of x's device, after everything queued
+    so far on the current stream; `b.join()` makes the current stream wait for the body's work. Off CUDA, with
+    MOEBOX_OVERLAP=0, or when `enabled` is false, the body runs in place and `join` does nothing."""
+
+    def __init__(self, t: torch.Tensor, name: str, reads: Sequence[torch.Tensor | None] = (),
+                 enabled: bool = True) -> None:
+        self.on = enabled and overlap_switched_on(t, name)
+        self._reads = reads if self.on else ()
+        if self.on:
+            self.main = torch.cuda.current_stream(t.device)
+            self.side = _side_stream(t.device)
+            self._context = torch.cuda.stream(self.side)
+
+    def __enter__(self) -> Branch:
+        if self.on:
+            self.side.wait_stream(self.main)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            self._context.__exit__(*exc)
+
+    def join(self) -> None:
+        if self.on:
+            self.main.wait_stream(self.side)
+            self._reads = ()

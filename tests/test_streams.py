@@ -1,0 +1,54 @@
+"""`Branch` on a GPU: work on the side stream is done before what follows `join` reads it, eagerly and replayed
+from a CUDA graph, and the main stream's work between fork and join does not wait for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebox.ops.cuda_graphs import capture
+from moebox.ops.streams import Branch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A slow chain on the side stream (its result read after the join) and a quick one on the main stream. The
+    branch's input is dropped by its caller before the main stream allocates a tensor of its size: only the
+    branch's hold on it keeps that tensor from taking its memory."""
+    y = a @ a
+    with Branch(a, "test", reads=(y,)) as branch:
+        for _ in range(30):                     # ~30 dependent 2048^3 products: long enough to lose a race
+            y = torch.tanh(y @ a)
+    z = b * 2 + (a * 3).sum(dim=1)
+    branch.join()
+    return y.sum(dim=1) + z
+
+
+def test_branch_result_is_complete_after_join_eager_and_in_a_graph(monkeypatch):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(2048, 2048, device="cuda", generator=gen) / 45
+    b = torch.randn(2048, device="cuda", generator=gen)
+    monkeypatch.setenv("MOEBOX_OVERLAP", "0")
+    want = _step(a, b)
+    monkeypatch.setenv("MOEBOX_OVERLAP", "1")
+    assert Branch(a, "test").on
+    torch.testing.assert_close(_step(a, b), want)
+    graph, out = capture(lambda: _step(a, b))
+    for scale in (1.0, 0.5):                       # new inputs each replay: a stale read would show
+        a.mul_(scale)
+        b.add_(1.0)
+        monkeypatch.setenv("MOEBOX_OVERLAP", "0")
+        want = _step(a, b)
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out, want)
+
+
+def test_branch_is_off_on_the_cpu_and_when_disabled():
+    t = torch.ones(3)
+    with Branch(t, "test") as branch:
+        pass
+    branch.join()
+    assert not branch.on
+    assert not Branch(t.cuda(), "test", enabled=False).on
