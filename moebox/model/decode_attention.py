@@ -87,9 +87,9 @@ def _top_rows(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.
 def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor, slot: torch.Tensor,
                  valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The lightning indexer: (entry rows [B, k], valid [B, k]) of the top-k scores. The top-k and the gather
-    of `valid` are one Triton kernel (ops/triton/topk.py) for rows it holds in registers (up to 2048 entries:
-    8K tokens of context; 6.4 against torch's 16.4 us a call at 4K on the H200), torch.topk for longer ones
-    (not yet measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length."""
+    of `valid` are one Triton kernel (ops/triton/topk.py) for rows up to 16385 entries (64K tokens of context;
+    6.4 against torch's 16.4 us a call at 4K on the H200, 29 against 78 at 64K), torch.topk for longer ones
+    (not measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length."""
     scores = index_scores(qi, wi, scale, index_keys, slot, valid)
     k = min(topk, scores.shape[1])
     from moebox.ops.triton import topk as kernel

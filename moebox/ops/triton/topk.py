@@ -39,8 +39,9 @@ final take ~470 once; at 4097 96 registers, ~390 a round + a 51-instruction tail
 registers, ~1000 a round. `python -m moebox.ops.triton.topk` times it against torch.topk + the gather
 (`--sweep`: 4/8/16 warps, 32/64 held keys). Measured (H200, tenth session, docs/benchmarks.md): the GPU tests
 pass, and the batch-1 V4-Flash step at 4K context (1025 entries) went from 9.85 to 9.57 ms with it (batch 16:
-27.25 -> 27.02), so the indexer takes it by default for rows held whole (`DEFAULT_MAX_ENTRIES`); longer
-rows keep torch.topk until the bench shows the kernel ahead there.
+27.25 -> 27.02); at 64K context (16385 entries) 9.44 -> 8.79 ms (batch 16: 34.88 -> 34.09, eleventh
+session), so the indexer takes it by default up to that length (`DEFAULT_MAX_ENTRIES`); longer rows keep
+torch.topk until a bench shows the kernel ahead there too.
 tl.histogram is avoided: on sm_90 it lowers to shared-memory atomics (one per key and round).
 
 Semantics: `torch.topk(scores, k, sorted=False)` up to ties (torch leaves those unspecified) and the order of
@@ -67,7 +68,7 @@ MAX_ENTRIES = 1 << 20   # rows of up to 4M tokens of context at ratio 4
 NUM_WARPS = 8           # a row's program: NT = 32 x warps threads
 HELD_KEYS = 64          # keys a thread holds in registers at most (at 8 warps: 227 registers, no spill, sm_90)
 WIDE_FROM = 1 << 16     # rows from this many entries count in 32-bit fields (16-bit ones could overflow)
-DEFAULT_MAX_ENTRIES = 8 * 32 * NUM_WARPS   # the model takes the kernel by default for rows held whole (2048)
+DEFAULT_MAX_ENTRIES = 16385   # the model takes the kernel by default up to 64K tokens of context (measured there)
 
 
 class Config(NamedTuple):
