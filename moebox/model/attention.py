@@ -122,10 +122,12 @@ class Attention:
         g = lambda n: get(prefix + n)  # noqa: E731
         self.q_norm, self.kv_norm = g("q_norm.weight"), g("kv_norm.weight")
         self.wo_a, self.wo_b, self.sink = g("wo_a.weight"), g("wo_b.weight"), g("attn_sink")
-        # the projections of x, then those of the q latent qr, each set as few products as the formats allow
-        x_names = ["wq_a", "wkv"] + (["compressor.wkv", "compressor.wgate"] if kind != SLIDING else [])
-        x_names += ["indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate"] if kind == CSA else []
-        self.from_x = SharedInputLinear(*(g(n + ".weight") for n in x_names))
+        # the projections of x (the query latent and K=V; the compressors' and the indexer's), then those of the
+        # q latent qr, each set as few products as the formats allow
+        self.from_x = SharedInputLinear(g("wq_a.weight"), g("wkv.weight"))
+        pool_names = (["compressor.wkv", "compressor.wgate"] if kind != SLIDING else []) + (
+            ["indexer.weights_proj", "indexer.compressor.wkv", "indexer.compressor.wgate"] if kind == CSA else [])
+        self.pool_from_x = SharedInputLinear(*(g(n + ".weight") for n in pool_names)) if pool_names else None
         qr_names = ["wq_b"] + (["indexer.wq_b"] if kind == CSA else [])
         self.from_qr = SharedInputLinear(*(g(n + ".weight") for n in qr_names))
         theta, yarn = cfg.layer_rope(kind)
@@ -146,13 +148,15 @@ class Attention:
         cfg, pos = self.cfg, batch.positions
         n = x.shape[0]
         decode = isinstance(batch, DecodeBatch)
-        q_a, kv, *rest = self.from_x(x)
-        # compressor and indexer rows stay in x's dtype here (on the GPU: bf16 products with fp32 accumulation);
-        # their users widen them to fp32, inside the decode step's fused functions and kernels
-        comp = (rest[0], rest[1]) if self.compressor else None
-        icomp = (rest[3], rest[4]) if self.indexer else None
-        # a decode step stores its keys and pools the compressors' entries on a side stream, next to the queries
-        with Branch(x, "attention", reads=(kv, *rest), enabled=decode) as keys_branch:
+        q_a, kv = self.from_x(x)
+        # a decode step stores its keys and pools the compressors' entries (their bf16 products included) on a
+        # side stream, next to the queries
+        with Branch(x, "attention", reads=(x, kv), enabled=decode) as keys_branch:
+            # compressor and indexer rows stay in x's dtype here (on the GPU: bf16 products with fp32
+            # accumulation); their users widen them to fp32, inside the decode step's fused functions and kernels
+            rest = self.pool_from_x(x) if self.pool_from_x is not None else []
+            comp = (rest[0], rest[1]) if self.compressor else None
+            icomp = (rest[3], rest[4]) if self.indexer else None
             kv = norm_rope(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq)
             if self.qat:
                 kv = round_kv_nope(kv, cfg.nope_head_dim)

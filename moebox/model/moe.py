@@ -13,8 +13,8 @@ import torch
 
 from moebox.config import ModelConfig
 from moebox.model.attention import WeightSource
-from moebox.ops.linear import SharedInputLinear, linear
-from moebox.ops.moe import route, route_from_logits, routed_experts, router_logits, swiglu
+from moebox.ops.linear import SharedInputLinear, linear, logits_linear
+from moebox.ops.moe import route, route_from_logits, routed_experts, swiglu
 from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
@@ -58,7 +58,7 @@ class MoE:
                   scaling=cfg.routed_scaling_factor)
         if self.tid2eid is None and x.shape[0] <= DECODE_TOKENS and kernel_switched_on(x, "MOEBOX_ROUTE_KERNEL"):
             from moebox.ops.triton import route as kernel
-            logits = router_logits(x, self.gate)
+            logits = logits_linear(x, self.gate)     # bf16 x and gate on CUDA: one product, no fp32 copies
             if kernel.supported(logits, cfg.scoring_func, cfg.num_experts_per_tok):
                 return kernel_or_fallback(
                     "routing", "MOEBOX_ROUTE_KERNEL", lambda: kernel.route_triton(logits, self.bias, **kw),
