@@ -11,6 +11,7 @@ from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
 from moebox.ops.mhc import hc_post, hc_pre
 from moebox.ops.norm import rms_norm
+from moebox.ops.streams import Prefetch
 
 
 class Block:
@@ -27,7 +28,15 @@ class Block:
     def __call__(self, X: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg = self.cfg
         kw = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        decode = isinstance(batch, DecodeBatch)
+        # experimental (MOEBOX_L2_PREFETCH): the first products' weights come into L2 while mHC runs
+        prefetch = Prefetch(X, "qkv", self.attn.query_weights, enabled=decode)
         x, post, comb = hc_pre(X, *self.hc_attn, **kw)
-        X = hc_post(self.attn(rms_norm(x, self.attn_norm, cfg.rms_norm_eps), batch, cache), X, post, comb)
+        x = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        prefetch.ready()
+        X = hc_post(self.attn(x, batch, cache), X, post, comb)
+        prefetch = Prefetch(X, "shared", self.ffn.shared_weights, enabled=decode)
         x, post, comb = hc_pre(X, *self.hc_ffn, **kw)
-        return hc_post(self.ffn(rms_norm(x, self.ffn_norm, cfg.rms_norm_eps), batch.tokens), X, post, comb)
+        x = rms_norm(x, self.ffn_norm, cfg.rms_norm_eps)
+        prefetch.ready()
+        return hc_post(self.ffn(x, batch.tokens), X, post, comb)

@@ -51,6 +51,13 @@ def _stack_rows(ws: Sequence[Weight]) -> Weight:
     return torch.cat(list(ws))
 
 
+def stored_bytes(*weights: Weight) -> list[torch.Tensor]:
+    """The tensors that hold most of the weights' bytes (an FP8/FP4 weight's codes, a float weight itself; none
+    for 2-bit planes): what an L2 prefetch of them reads."""
+    return [w.data if isinstance(w, QuantTensor) else w for w in weights
+            if isinstance(w, (QuantTensor, torch.Tensor))]
+
+
 class SharedInputLinear:
     """Several linears of one input, as few products as their formats allow: weights that stack (same float
     dtype, or FP8 in whole scale blocks) run as one matmul over their concatenated rows whose output is split.
@@ -64,6 +71,10 @@ class SharedInputLinear:
             groups.setdefault(_stack_key(w, i), []).append(i)
         self.rows = [w.shape[0] for w in weights]
         self.parts = [(idx, _stack_rows([weights[i] for i in idx])) for idx in groups.values()]
+
+    def stored_bytes(self) -> list[torch.Tensor]:
+        """The stacked weights' byte tensors (see `stored_bytes`), one per product."""
+        return stored_bytes(*(w for _, w in self.parts))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x @ w.T for each weight, in the order given (column slices of a shared product are views)."""

@@ -1,4 +1,5 @@
-"""`Branch`: a piece of a decode step that runs on a second CUDA stream, next to what follows it.
+"""`Branch`: a piece of a decode step that runs on a second CUDA stream, next to what follows it; `Prefetch`
+(experimental): weights read into L2 on a third stream ahead of their product.
 
 A decode step at batch 1-16 is a chain of small kernels, most of them too small to fill the GPU; some links of
 the chain do not depend on each other (a block's shared expert and its routed experts; attention's key path,
@@ -21,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
 def overlap_switched_on(t: torch.Tensor, name: str) -> bool:
@@ -31,11 +32,11 @@ def overlap_switched_on(t: torch.Tensor, name: str) -> bool:
     return t.is_cuda and (value == "1" or name in value.split(","))
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, purpose: str = "branch") -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(index)
-    return _side_streams[index]
+    if (index, purpose) not in _side_streams:
+        _side_streams[index, purpose] = torch.cuda.Stream(index)
+    return _side_streams[index, purpose]
 
 
 class Branch:
@@ -66,3 +67,26 @@ class Branch:
         if self.on:
             self.main.wait_stream(self.side)
             self._reads = ()
+
+
+class Prefetch:
+    """Weights read into L2 (`moebox.ops.triton.l2_prefetch`) on a stream of their own, from where it is made
+    until `ready()`, where the current stream waits for it: made before a latency-bound span (an mHC site, the
+    attention core), ready just before the product that reads the weights. Experimental, not yet measured on a
+    GPU: only when MOEBOX_L2_PREFETCH is 1 or a comma list that names the part ("qkv", "o", "shared"); CUDA
+    tensors; `enabled` false (prefill) makes it do nothing."""
+
+    def __init__(self, t: torch.Tensor, name: str, weights: Sequence[torch.Tensor], enabled: bool = True) -> None:
+        value = os.environ.get("MOEBOX_L2_PREFETCH", "0")
+        self.on = bool(enabled and t.is_cuda and weights and (value == "1" or name in value.split(",")))
+        if self.on:
+            from moebox.ops.triton.l2_prefetch import l2_prefetch
+            self.stream = _side_stream(t.device, "prefetch")
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.stream):
+                self._sinks = [l2_prefetch(w) for w in weights]
+
+    def ready(self) -> None:
+        if self.on:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self._sinks = []
