@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, tl, triton
+from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, pdl_args, pdl_start, tl, triton
 
 DEFAULT_PROGRAMS = 132    # one per H200 SM, 32 KB in flight each (16 16-byte loads a thread): ~4 MB
 BLOCK_WORDS = 8192        # int32 words a program loads per step (64 per thread at 4 warps)
 
 if HAVE_TRITON:
     @triton.jit
-    def _l2_prefetch_kernel(src_ptr, sink_ptr, n_words, per_program, BLOCK: tl.constexpr):
+    def _l2_prefetch_kernel(src_ptr, sink_ptr, n_words, per_program, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)          # as every kernel (tests/test_triton_pdl.py), though the weights need no wait
         pid = tl.program_id(0)
         start = pid.to(tl.int64) * per_program
         count = tl.maximum(tl.minimum(per_program, n_words - start), 0).to(tl.int32)   # this program's words
@@ -58,7 +59,7 @@ def l2_prefetch(t: torch.Tensor, programs: int = DEFAULT_PROGRAMS) -> torch.Tens
     per = cdiv(cdiv(n, max(1, programs)), BLOCK_WORDS) * BLOCK_WORDS      # whole steps a program
     programs = max(1, cdiv(n, per))
     sink = torch.empty(programs, dtype=torch.int32, device=t.device)
-    _l2_prefetch_kernel[(programs,)](src, sink, n, per, BLOCK=BLOCK_WORDS, num_warps=4)
+    _l2_prefetch_kernel[(programs,)](src, sink, n, per, BLOCK=BLOCK_WORDS, num_warps=4, **pdl_args(t))
     return sink
 
 
