@@ -14,12 +14,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def check_in_interpreter(script: str, default_tol: float = 1e-5) -> None:
-    t0 = time.monotonic()
+def run_in_interpreter(script: str) -> str:
+    """Run `script` (its argv[1]: the repo root) under the interpreter; its stdout, after asserting it exited 0."""
     proc = subprocess.run([sys.executable, "-c", script, str(ROOT)], env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return proc.stdout
+
+
+def check_in_interpreter(script: str, default_tol: float = 1e-5) -> None:
+    t0 = time.monotonic()
+    stdout = run_in_interpreter(script)
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
     results = json.loads(line[len("RESULT "):])
     print(f"interpreter check: {len(results)} cases in {time.monotonic() - t0:.1f} s")
     for r in results:

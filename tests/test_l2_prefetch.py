@@ -1,20 +1,17 @@
 """The L2 prefetch kernel (moebox/ops/triton/l2_prefetch.py) reads every word of a tensor exactly once: the XOR of
 its sink is the XOR of the tensor's int32 words. CPU: in Triton's interpreter (a subprocess), sizes around the
-step and program boundaries. GPU (marker `gpu`): large tensors, and the model's captured decode step with the
-prefetches on gives the eager step's logits."""
+step and program boundaries. GPU (marker `gpu`): large tensors. The model's captured decode step with the
+prefetches on: tests/test_cuda.py::test_decode_graphs_replay_the_eager_step."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from moebox.ops.triton.runtime import HAVE_TRITON
-from tests.interpreter import ROOT
+from tests.interpreter import run_in_interpreter
 
 _CHECK = textwrap.dedent("""
     import sys, torch
@@ -41,9 +38,7 @@ _CHECK = textwrap.dedent("""
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
 def test_prefetch_reads_every_word_once_in_triton_interpreter() -> None:
-    proc = subprocess.run([sys.executable, "-c", _CHECK, str(ROOT)], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-4000:]
+    assert run_in_interpreter(_CHECK).strip().endswith("OK")
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -57,27 +52,3 @@ def test_prefetch_reads_every_word_once_on_the_gpu(nbytes: int) -> None:
     t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     for programs in (1, 66, 132):
         assert xor_of(l2_prefetch(t, programs)) == xor_reference(t)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_decode_graph_with_l2_prefetch_replays_the_eager_step(tiny_ckpt, tmp_path, monkeypatch) -> None:
-    """Every prefetch part on (they fork a stream and join it again inside the captured step): the captured decode
-    step still gives the eager step's logits and leaves the cache as the eager step does."""
-    from moebox.model.batch import DecodeBatch, FlatBatch
-    from moebox.runtime.graphs import DecodeGraphs
-    from moebox.runtime.loader import load_model
-    monkeypatch.setenv("MOEBOX_L2_PREFETCH", "1")
-    model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",
-                          store_dir=tmp_path / "store", progress=False)
-    assert model.layers[0].attn.query_weights and model.layers[0].attn.output_weights
-    ids = torch.randint(2, model.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    caches = [model.new_cache(3, 64, "cuda") for _ in range(2)]
-    for cache in caches:
-        model.forward(FlatBatch.build([(1, 0, ids[:10])], "cuda"), cache)
-    graphs = DecodeGraphs(model, caches[0], scratch_slot=2, batch_sizes=[1])
-    for pos in range(10, 20):
-        got = graphs.run([ids[pos]], [pos], [1]).logits.float().cpu()
-        want = model.forward(DecodeBatch(*(torch.tensor([v], device="cuda") for v in (ids[pos], pos, 1))),
-                             caches[1]).logits.float().cpu()
-        assert (got - want).abs().max().item() <= 1e-5, pos

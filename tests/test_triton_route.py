@@ -9,19 +9,15 @@ bf16 logits, replayed from a CUDA graph.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from moebox.ops.moe import route_from_logits
+from tests.interpreter import run_in_interpreter
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def same_routing(ids: torch.Tensor, w: torch.Tensor, ref_ids: torch.Tensor, ref_w: torch.Tensor) -> None:
@@ -62,9 +58,7 @@ _CASES = textwrap.dedent("""
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
 def test_kernel_in_triton_interpreter():
-    proc = subprocess.run([sys.executable, "-c", _CASES, str(ROOT)], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+    assert "OK" in run_in_interpreter(_CASES)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

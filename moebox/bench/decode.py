@@ -260,12 +260,9 @@ def breakdown(model: DeepseekV4, batch: DecodeBatch, cache, steps: int = 10) -> 
             for name, items in recorders.items()}
 
 
-def profile_kernels(step: Callable[[], object], device: torch.device, steps: int,
-                    top: int) -> tuple[list[list[str]], float]:
-    """The `top` kernels of `step` by device time (CPU ops on the CPU), from torch.profiler over `steps` calls
-    after two unprofiled ones (compilation, capture): rows of name, launches per call, us per call, share of the
-    profiled time; and the profiled time per call in seconds. Where a step's time goes, kernel by kernel: the
-    breakdown says which component, this says which launches."""
+def _profiled(step: Callable[[], object], device: torch.device, steps: int):
+    """torch.profiler over `steps` calls of `step` (CUDA activity too on a GPU), after one unprofiled call
+    (compilation, capture)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     _timed(step, device, 1)
@@ -274,6 +271,17 @@ def profile_kernels(step: Callable[[], object], device: torch.device, steps: int
             step()
         if cuda:
             torch.cuda.synchronize(device)
+    return prof
+
+
+def profile_kernels(step: Callable[[], object], device: torch.device, steps: int,
+                    top: int) -> tuple[list[list[str]], float]:
+    """The `top` kernels of `step` by device time (CPU ops on the CPU), from torch.profiler over `steps` calls
+    after two unprofiled ones (compilation, capture): rows of name, launches per call, us per call, share of the
+    profiled time; and the profiled time per call in seconds. Where a step's time goes, kernel by kernel: the
+    breakdown says which component, this says which launches."""
+    cuda = device.type == "cuda"
+    prof = _profiled(step, device, steps)
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = [e for e in prof.key_averages() if getattr(e, attr) > 0 and
               (not cuda or e.device_type == torch.autograd.DeviceType.CUDA)]
@@ -290,15 +298,9 @@ def kernel_timeline(step: Callable[[], object], device: torch.device, path: str)
     and return the number of rows. The profile's totals say which kernels cost most; this says in what order
     they run and where the device waits between them."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    cuda = device.type == "cuda"
-    _timed(step, device, 1)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        step()
-        if cuda:
-            torch.cuda.synchronize(device)
-    kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    events = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+    kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
+    events = sorted((e for e in _profiled(step, device, 1).events() if e.device_type == kind),
+                    key=lambda e: e.time_range.start)
     t0 = end = events[0].time_range.start
     with open(path, "w") as f:
         f.write("start_us\tdur_us\tidle_us\tname\n")

@@ -25,7 +25,7 @@ from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear,
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, norm_rope, rope_inv_freq
-from moebox.ops.streams import Branch, Prefetch
+from moebox.ops.streams import Branch, prefetch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 WeightSource = Callable[[str], Weight]
@@ -168,7 +168,7 @@ class Attention:
                 stored = self._store_decode(batch, kv, comp, icomp, cache)
         qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
         q, *index_q = self.from_qr(qr)
-        prefetch = Prefetch(x, "o", self.output_weights, enabled=decode)     # experimental, see Block
+        weights_l2 = prefetch(x, "o", self.output_weights, enabled=decode)     # experimental, see Block
         q = norm_rope(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps, pos, self.inv_freq)
         idx = None
         if self.indexer is not None:
@@ -188,7 +188,7 @@ class Attention:
                 out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
 
         out = apply_rope(out, pos, self.inv_freq, inverse=True)
-        prefetch.ready()
+        weights_l2.join()
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
 

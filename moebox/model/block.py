@@ -11,7 +11,7 @@ from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
 from moebox.ops.mhc import hc_post, hc_pre
 from moebox.ops.norm import rms_norm
-from moebox.ops.streams import Prefetch
+from moebox.ops.streams import prefetch
 
 
 class Block:
@@ -30,13 +30,13 @@ class Block:
         kw = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         decode = isinstance(batch, DecodeBatch)
         # experimental (MOEBOX_L2_PREFETCH): the first products' weights come into L2 while mHC runs
-        prefetch = Prefetch(X, "qkv", self.attn.query_weights, enabled=decode)
+        weights_l2 = prefetch(X, "qkv", self.attn.query_weights, enabled=decode)
         x, post, comb = hc_pre(X, *self.hc_attn, **kw)
         x = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        prefetch.ready()
+        weights_l2.join()
         X = hc_post(self.attn(x, batch, cache), X, post, comb)
-        prefetch = Prefetch(X, "shared", self.ffn.shared_weights, enabled=decode)
+        weights_l2 = prefetch(X, "shared", self.ffn.shared_weights, enabled=decode)
         x, post, comb = hc_pre(X, *self.hc_ffn, **kw)
         x = rms_norm(x, self.ffn_norm, cfg.rms_norm_eps)
-        prefetch.ready()
+        weights_l2.join()
         return hc_post(self.ffn(x, batch.tokens), X, post, comb)

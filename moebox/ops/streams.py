@@ -1,4 +1,4 @@
-"""`Branch`: a piece of a decode step that runs on a second CUDA stream, next to what follows it; `Prefetch`
+"""`Branch`: a piece of a decode step that runs on a second CUDA stream, next to what follows it; `prefetch`
 (experimental): weights read into L2 on a third stream ahead of their product.
 
 A decode step at batch 1-16 is a chain of small kernels, most of them too small to fill the GPU; some links of
@@ -25,14 +25,14 @@ import torch
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
-def overlap_switched_on(t: torch.Tensor, name: str) -> bool:
-    """Whether the branch `name` on t's device may run on a side stream: CUDA tensors, unless MOEBOX_OVERLAP is
-    0 or names other branches (comma-separated)."""
-    value = os.environ.get("MOEBOX_OVERLAP", "1")
+def _switched_on(t: torch.Tensor, name: str, variable: str, default: str) -> bool:
+    """Whether the branch `name` on t's device may run on its side stream: CUDA tensors, and the environment
+    variable (else `default`) is 1 or a comma list that names the branch (0: none)."""
+    value = os.environ.get(variable, default)
     return t.is_cuda and (value == "1" or name in value.split(","))
 
 
-def _side_stream(device: torch.device, purpose: str = "branch") -> torch.cuda.Stream:
+def _side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if (index, purpose) not in _side_streams:
         _side_streams[index, purpose] = torch.cuda.Stream(index)
@@ -42,15 +42,18 @@ def _side_stream(device: torch.device, purpose: str = "branch") -> torch.cuda.St
 class Branch:
     """`with Branch(x, name, reads) as b:` runs its body on the side stream of x's device, after everything queued
     so far on the current stream; `b.join()` makes the current stream wait for the body's work. Off CUDA, with
-    MOEBOX_OVERLAP=0, or when `enabled` is false, the body runs in place and `join` does nothing."""
+    MOEBOX_OVERLAP=0 (or a list without `name`), or when `enabled` is false, the body runs in place and `join`
+    does nothing. `switch` / `purpose`: another environment variable and default, and another side stream
+    (`prefetch` uses both)."""
 
     def __init__(self, t: torch.Tensor, name: str, reads: Sequence[torch.Tensor | None] = (),
-                 enabled: bool = True) -> None:
-        self.on = enabled and overlap_switched_on(t, name)
+                 enabled: bool = True, switch: tuple[str, str] = ("MOEBOX_OVERLAP", "1"),
+                 purpose: str = "branch") -> None:
+        self.on = enabled and _switched_on(t, name, *switch)
         self._reads = reads if self.on else ()
         if self.on:
             self.main = torch.cuda.current_stream(t.device)
-            self.side = _side_stream(t.device)
+            self.side = _side_stream(t.device, purpose)
             self._context = torch.cuda.stream(self.side)
 
     def __enter__(self) -> Branch:
@@ -69,24 +72,17 @@ class Branch:
             self._reads = ()
 
 
-class Prefetch:
-    """Weights read into L2 (`moebox.ops.triton.l2_prefetch`) on a stream of their own, from where it is made
-    until `ready()`, where the current stream waits for it: made before a latency-bound span (an mHC site, the
-    attention core), ready just before the product that reads the weights. Experimental, not yet measured on a
-    GPU: only when MOEBOX_L2_PREFETCH is 1 or a comma list that names the part ("qkv", "o", "shared"); CUDA
-    tensors; `enabled` false (prefill) makes it do nothing."""
-
-    def __init__(self, t: torch.Tensor, name: str, weights: Sequence[torch.Tensor], enabled: bool = True) -> None:
-        value = os.environ.get("MOEBOX_L2_PREFETCH", "0")
-        self.on = bool(enabled and t.is_cuda and weights and (value == "1" or name in value.split(",")))
-        if self.on:
-            from moebox.ops.triton.l2_prefetch import l2_prefetch
-            self.stream = _side_stream(t.device, "prefetch")
-            self.stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(self.stream):
-                self._sinks = [l2_prefetch(w) for w in weights]
-
-    def ready(self) -> None:
-        if self.on:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-            self._sinks = []
+def prefetch(t: torch.Tensor, name: str, weights: Sequence[torch.Tensor], enabled: bool = True) -> Branch:
+    """Read `weights` into L2 (`moebox.ops.triton.l2_prefetch`) on a stream of their own, from here until the
+    returned branch's `join()`: made before a latency-bound span (an mHC site, the attention core), joined just
+    before the product that reads the weights. Experimental, not yet measured on a GPU: only when
+    MOEBOX_L2_PREFETCH is 1 or a comma list that names the part ("qkv", "o", "shared"); `enabled` false
+    (prefill) or no weights makes it do nothing."""
+    branch = Branch(t, name, enabled=enabled and bool(weights), switch=("MOEBOX_L2_PREFETCH", "0"),
+                    purpose="prefetch")
+    if branch.on:
+        from moebox.ops.triton.l2_prefetch import l2_prefetch
+        with branch:
+            for w in weights:
+                l2_prefetch(w)
+    return branch
