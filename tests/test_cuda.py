@@ -61,17 +61,16 @@ def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path):
     assert diff <= 1e-3
 
 
-@pytest.mark.parametrize("l2_prefetch", ["0", "1"])
-def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, l2_prefetch):
+@pytest.mark.parametrize("overlap", ["1", "0"])
+def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, overlap):
     """Captured decode steps (padded to the captured batch size, spare rows on the scratch slot) give the logits
-    of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; also with every
-    L2 prefetch part on (each forks a stream and joins it again inside the captured step)."""
+    of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; with the side
+    streams (every Branch forks and joins inside the captured step) and without."""
     from moebox.model.batch import DecodeBatch
     from moebox.runtime.graphs import DecodeGraphs
-    monkeypatch.setenv("MOEBOX_L2_PREFETCH", l2_prefetch)
+    monkeypatch.setenv("MOEBOX_OVERLAP", overlap)
     model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",
                           store_dir=tmp_path / "store", progress=False)
-    assert model.layers[0].attn.query_weights and model.layers[0].attn.output_weights
     vocab = model.cfg.vocab_size
     seqs = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23, 31)]
     caches = [model.new_cache(5, 128, "cuda") for _ in range(2)]

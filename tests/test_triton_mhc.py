@@ -103,6 +103,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from moebox.ops.triton.mhc import (HcConfig, PostConfig, hc_head_reference, hc_head_triton, hc_post_reference,
                                        hc_post_triton, hc_pre_reference, hc_pre_triton)
+    from moebox.ops.streams import Branch
     from tests.test_triton_mhc import post_inputs, site
     nan = float("nan")
     results = []
@@ -130,9 +131,11 @@ _INTERPRETER_CHECK = textwrap.dedent("""
             X = site(2 * n, hc, H, dt, seed=i)[0][::2]
         kw = dict(iters=iters, eps=1e-6, norm_eps=1e-6)
         into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
-        got = hc_pre_triton(X, fn, base, scale, **kw, into=into, config=cfg)
+        # cases 1 and 4: post and comb as a launch of their own (a Branch, in place off CUDA)
+        branch = Branch(X, "mhc") if i in (1, 4) else None
+        got = hc_pre_triton(X, fn, base, scale, **kw, into=into, config=cfg, coeffs_branch=branch)
         ref = hc_pre_reference(X, fn, base, scale, **kw)
-        name = f"hc_pre hc={hc} H={H} N={n} {dt} iters={iters} {cfg}"
+        name = f"hc_pre hc={hc} H={H} N={n} {dt} iters={iters} {cfg} apart={branch is not None}"
         for out, g, r, b, tol in zip(("x", "post", "comb"), got, ref, into,
                                      (1e-3 if dt == torch.float16 else 1e-6, 4e-6, 4e-6)):
             add(f"{name}: {out}", g, r, b, tol)
@@ -306,20 +309,31 @@ def test_gpu_dispatch_takes_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("coeffs_apart", [False, True])
+def test_gpu_cuda_graph_replay(coeffs_apart: bool) -> None:
     """A block's mHC calls (pre, post, pre, post) and the head captured in one CUDA graph; replays follow new
-    streams written into the static input, with all outputs poisoned before each replay."""
+    streams written into the static input, with all outputs poisoned before each replay. coeffs_apart: each
+    hc_pre's post and comb on a side stream (as the decode step runs them), joined before its hc_post, with
+    work on the main stream in between (the sub-block)."""
+    from moebox.ops.streams import Branch
     from moebox.ops.triton.mhc import hc_head_triton, hc_post_triton, hc_pre_triton
     n, hc, hidden = 4, 4, 4096
     X, fn1, b1, s1 = site(n, hc, hidden, torch.bfloat16, "cuda", seed=1)
     _, fn2, b2, s2 = site(n, hc, hidden, torch.bfloat16, "cuda", seed=2)
     _, fnh, bh, sh = site(n, hc, hidden, torch.bfloat16, "cuda", seed=3, head=True)
 
+    def pre_post(X: torch.Tensor, fn, b, s, sub_block):
+        branch = Branch(X, "mhc", purpose="mhc") if coeffs_apart else None
+        assert branch is None or branch.on
+        x, p, c = hc_pre_triton(X, fn, b, s, **KW, coeffs_branch=branch)
+        out = sub_block(x)
+        if branch is not None:
+            branch.join()
+        return x, hc_post_triton(out, X, p, c)
+
     def step(X: torch.Tensor):
-        x1, p1, c1 = hc_pre_triton(X, fn1, b1, s1, **KW)
-        X1 = hc_post_triton(torch.tanh(x1), X, p1, c1)
-        x2, p2, c2 = hc_pre_triton(X1, fn2, b2, s2, **KW)
-        X2 = hc_post_triton(x2 * 0.5, X1, p2, c2)
+        x1, X1 = pre_post(X, fn1, b1, s1, torch.tanh)
+        _, X2 = pre_post(X1, fn2, b2, s2, lambda x: x * 0.5)
         return x1, X1, X2, hc_head_triton(X2, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
 
     def ref_step(X: torch.Tensor):

@@ -21,11 +21,11 @@ from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
 from moebox.model.decode_attention import attend, compress_step, index_select, window_mask, window_step
 from moebox.ops.attention import local_sink_attention, sink_attention, tf32_products
 from moebox.ops.compress import pool_windows
-from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear, stored_bytes
+from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import apply_rope, norm_rope, rope_inv_freq
-from moebox.ops.streams import Branch, prefetch
+from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 WeightSource = Callable[[str], Weight]
@@ -130,9 +130,6 @@ class Attention:
         self.pool_from_x = SharedInputLinear(*(g(n + ".weight") for n in pool_names)) if pool_names else None
         qr_names = ["wq_b"] + (["indexer.wq_b"] if kind == CSA else [])
         self.from_qr = SharedInputLinear(*(g(n + ".weight") for n in qr_names))
-        # what an L2 prefetch (MOEBOX_L2_PREFETCH, decode) reads before the query products and before wo_a, wo_b
-        self.query_weights = self.from_x.stored_bytes() + self.from_qr.stored_bytes()
-        self.output_weights = stored_bytes(self.wo_a, self.wo_b)
         theta, yarn = cfg.layer_rope(kind)
         self.inv_freq = rope_inv_freq(cfg.rope_head_dim, theta, yarn).to(self.sink.device)
         self.compressor = self.indexer = None
@@ -168,7 +165,6 @@ class Attention:
                 stored = self._store_decode(batch, kv, comp, icomp, cache)
         qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
         q, *index_q = self.from_qr(qr)
-        weights_l2 = prefetch(x, "o", self.output_weights, enabled=decode)     # experimental, see Block
         q = norm_rope(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps, pos, self.inv_freq)
         idx = None
         if self.indexer is not None:
@@ -188,7 +184,6 @@ class Attention:
                 out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
 
         out = apply_rope(out, pos, self.inv_freq, inverse=True)
-        weights_l2.join()
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
 

@@ -11,7 +11,7 @@ from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
 from moebox.ops.mhc import hc_post, hc_pre
 from moebox.ops.norm import rms_norm
-from moebox.ops.streams import prefetch
+from moebox.ops.streams import Branch
 
 
 class Block:
@@ -29,14 +29,16 @@ class Block:
         cfg = self.cfg
         kw = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         decode = isinstance(batch, DecodeBatch)
-        # experimental (MOEBOX_L2_PREFETCH): the first products' weights come into L2 while mHC runs
-        weights_l2 = prefetch(X, "qkv", self.attn.query_weights, enabled=decode)
-        x, post, comb = hc_pre(X, *self.hc_attn, **kw)
+        # decode: mHC's post/comb (the Sinkhorn chain) on a side stream, next to the sub-block, until its hc_post
+        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
+        x, post, comb = hc_pre(X, *self.hc_attn, **kw, coeffs_branch=coeffs if coeffs.on else None)
         x = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        weights_l2.join()
-        X = hc_post(self.attn(x, batch, cache), X, post, comb)
-        weights_l2 = prefetch(X, "shared", self.ffn.shared_weights, enabled=decode)
-        x, post, comb = hc_pre(X, *self.hc_ffn, **kw)
+        out = self.attn(x, batch, cache)
+        coeffs.join()
+        X = hc_post(out, X, post, comb)
+        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
+        x, post, comb = hc_pre(X, *self.hc_ffn, **kw, coeffs_branch=coeffs if coeffs.on else None)
         x = rms_norm(x, self.ffn_norm, cfg.rms_norm_eps)
-        weights_l2.join()
-        return hc_post(self.ffn(x, batch.tokens), X, post, comb)
+        out = self.ffn(x, batch.tokens)
+        coeffs.join()
+        return hc_post(out, X, post, comb)

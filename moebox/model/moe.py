@@ -13,7 +13,7 @@ import torch
 
 from moebox.config import ModelConfig
 from moebox.model.attention import WeightSource
-from moebox.ops.linear import SharedInputLinear, linear, logits_linear, stored_bytes
+from moebox.ops.linear import SharedInputLinear, linear, logits_linear
 from moebox.ops.moe import route, route_from_logits, routed_experts, swiglu
 from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
@@ -32,9 +32,6 @@ class MoE:
         if cfg.n_shared_experts:      # gate and up read the same x: one product where their formats stack
             self.shared_in = SharedInputLinear(*(get(f"{prefix}shared_experts.{w}.weight") for w in ("w1", "w3")))
             self.shared_out = get(prefix + "shared_experts.w2.weight")
-        # what an L2 prefetch (MOEBOX_L2_PREFETCH, decode) reads before the shared expert
-        self.shared_weights = [] if self.shared_in is None else [*self.shared_in.stored_bytes(),
-                                                                 *stored_bytes(self.shared_out)]
         self.experts = [tuple(get(f"{prefix}experts.{e}.{w}.weight") for w in ("w1", "w3", "w2"))
                         for e in range(cfg.n_routed_experts)]
         self.on_route: Callable[[torch.Tensor], None] | None = None   # observer of the chosen experts [N, k]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from moebox.ops.fuse import fused
 from moebox.ops.norm import rms_norm
+from moebox.ops.streams import Branch
 
 
 def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | None:
@@ -30,10 +31,12 @@ def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | Non
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
-           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
+           norm_eps: float, coeffs_branch: Branch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32). The fused path
+    computes post and comb on `coeffs_branch`'s side stream when it is on: use them after its join()."""
     if (f := _fused(X)) is not None:
-        return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
+        return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps,
+                               coeffs_branch=coeffs_branch)
     return hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
 
 

@@ -1,12 +1,12 @@
-"""`Branch`: a piece of a decode step that runs on a second CUDA stream, next to what follows it; `prefetch`
-(experimental): weights read into L2 on a third stream ahead of their product.
+"""`Branch`: a piece of a decode step that runs on a side CUDA stream, next to what follows it.
 
 A decode step at batch 1-16 is a chain of small kernels, most of them too small to fill the GPU; some links of
 the chain do not depend on each other (a block's shared expert and its routed experts; attention's key path,
 which stores this step's keys and pools the compressors' entries, and its query path, whose product reads
-40 MB of weights). On two streams the small kernels of one run in the gaps of the other, and a CUDA graph
-captures both as parallel branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain);
-`MOEBOX_OVERLAP=moe` (or `attention`) only the branches of that name.
+40 MB of weights; an mHC site's post/comb coefficients, which only its hc_post needs, and the sub-block). On
+two streams the small kernels of one run in the gaps of the other, and a CUDA graph captures both as parallel
+branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain); `MOEBOX_OVERLAP=moe` (or
+`attention`, `mhc`, or a comma list) only the branches of those names.
 
 The tensors the branch reads from the main stream are passed as `reads`: the branch holds them until `join`.
 The caching allocator hands a freed block to the next allocation on the stream that allocated it, so a tensor
@@ -25,10 +25,10 @@ import torch
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
-def _switched_on(t: torch.Tensor, name: str, variable: str, default: str) -> bool:
-    """Whether the branch `name` on t's device may run on its side stream: CUDA tensors, and the environment
-    variable (else `default`) is 1 or a comma list that names the branch (0: none)."""
-    value = os.environ.get(variable, default)
+def _switched_on(t: torch.Tensor, name: str) -> bool:
+    """Whether the branch `name` on t's device may run on its side stream: CUDA tensors, and MOEBOX_OVERLAP
+    (default 1) is 1 or a comma list that names the branch (0: none)."""
+    value = os.environ.get("MOEBOX_OVERLAP", "1")
     return t.is_cuda and (value == "1" or name in value.split(","))
 
 
@@ -43,13 +43,12 @@ class Branch:
     """`with Branch(x, name, reads) as b:` runs its body on the side stream of x's device, after everything queued
     so far on the current stream; `b.join()` makes the current stream wait for the body's work. Off CUDA, with
     MOEBOX_OVERLAP=0 (or a list without `name`), or when `enabled` is false, the body runs in place and `join`
-    does nothing. `switch` / `purpose`: another environment variable and default, and another side stream
-    (`prefetch` uses both)."""
+    does nothing. `purpose`: the side stream (one per purpose and device), so that branches of different kinds
+    do not queue behind each other."""
 
     def __init__(self, t: torch.Tensor, name: str, reads: Sequence[torch.Tensor | None] = (),
-                 enabled: bool = True, switch: tuple[str, str] = ("MOEBOX_OVERLAP", "1"),
-                 purpose: str = "branch") -> None:
-        self.on = enabled and _switched_on(t, name, *switch)
+                 enabled: bool = True, purpose: str = "branch") -> None:
+        self.on = enabled and _switched_on(t, name)
         self._reads = reads if self.on else ()
         if self.on:
             self.main = torch.cuda.current_stream(t.device)
@@ -66,23 +65,13 @@ class Branch:
         if self.on:
             self._context.__exit__(*exc)
 
+    def hold(self, *tensors: torch.Tensor) -> None:
+        """Add tensors that the body read (scratch allocated on the main stream) to those held until `join`."""
+        if self.on:
+            self._reads = (*self._reads, *tensors)
+
     def join(self) -> None:
         if self.on:
             self.main.wait_stream(self.side)
             self._reads = ()
 
-
-def prefetch(t: torch.Tensor, name: str, weights: Sequence[torch.Tensor], enabled: bool = True) -> Branch:
-    """Read `weights` into L2 (`moebox.ops.triton.l2_prefetch`) on a stream of their own, from here until the
-    returned branch's `join()`: made before a latency-bound span (an mHC site, the attention core), joined just
-    before the product that reads the weights. Experimental, not yet measured on a GPU: only when
-    MOEBOX_L2_PREFETCH is 1 or a comma list that names the part ("qkv", "o", "shared"); `enabled` false
-    (prefill) or no weights makes it do nothing."""
-    branch = Branch(t, name, enabled=enabled and bool(weights), switch=("MOEBOX_L2_PREFETCH", "0"),
-                    purpose="prefetch")
-    if branch.on:
-        from moebox.ops.triton.l2_prefetch import l2_prefetch
-        with branch:
-            for w in weights:
-                l2_prefetch(w)
-    return branch

@@ -24,7 +24,10 @@ hc_pre, X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (2
     concurrently with it. BLOCK_H = one 16-byte vector per thread and stream (1024 bf16 / 512 fp32 columns
     with 4 warps): at that width Triton's coalesced [hc, BLOCK_H] layout keeps a column's hc streams in one
     thread, so the sum over streams needs no shared memory.
-  hc_head: kernels A and B with M = hc and no post/comb (HEAD).
+  hc_head: kernels A and B with M = hc and no post/comb (COEFFS off).
+  At decode the model launches kernel B twice (`coeffs_branch`): the x programs on the main stream and the
+  post/comb program on a side stream, joined before hc_post, so the sub-block starts without waiting for the
+  Sinkhorn chain (twelfth session: -0.18 ms a step at batch 1 on the H200).
 hc_post, `_post_kernel` (grid (N, H / BLOCK_H), elementwise, memory-bound): X_new[k] = post[k] out + sum_j
   comb[j, k] X[j] in fp32, with post and comb first rounded to X's dtype as the reference does (.to(dt)), then
   ONE rounding to X's dtype (the reference rounds 3 times in bf16: product, matmul, sum), so bf16 results
@@ -56,6 +59,7 @@ from typing import Sequence
 import torch
 
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
+from moebox.ops.streams import Branch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, graph_us, next_pow2,  # noqa: F401
                                        num_sms, pdl_args, pdl_start, rel_err, tl, triton)
@@ -156,15 +160,15 @@ if HAVE_TRITON:
     @triton.jit
     def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                     H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
-                    HC: tl.constexpr, HC_PAD: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                    BLOCK_H: tl.constexpr, HEAD: tl.constexpr, PDL: tl.constexpr):
-        """Per token n: the logits from the partials. Not HEAD: program 0 computes post and the Sinkhorn-
-        normalised comb (first, so the longest dependency chain starts first), the other programs x over
-        their BLOCK_H columns; HEAD: all programs compute x."""
+                    HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                    S_PAD: tl.constexpr, BLOCK_H: tl.constexpr, COEFFS: tl.constexpr, PDL: tl.constexpr):
+        """Per token n: the logits from the partials (M of them; the sum of squares in column M). COEFFS:
+        program 0 computes post and the Sinkhorn-normalised comb (first, so the longest dependency chain starts
+        first); every other program computes x over its BLOCK_H columns (with COEFFS and one program a token,
+        only post and comb)."""
         pdl_start(PDL)
         n = tl.program_id(0)
-        ph = tl.program_id(1) - (0 if HEAD else 1)     # the H block of an x program; -1: post/comb
-        M: tl.constexpr = HC if HEAD else (2 + HC) * HC
+        ph = tl.program_id(1) - (1 if COEFFS else 0)   # the H block of an x program; -1: post/comb
         offs_s = tl.arange(0, S_PAD)
         offs_j = tl.arange(0, HC_PAD)
         ms = offs_s < SPLIT
@@ -183,7 +187,7 @@ if HAVE_TRITON:
                          mask=mj[:, None] & mh[None, :], other=0.0).to(tl.float32)
             x = tl.sum(pre[:, None] * Xt, axis=0)
             tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
-        elif not HEAD:
+        elif COEFFS:
             post_l = tl.sum(tl.load(ws_n[:, None] + HC + offs_j[None, :], mask=ms[:, None] & mj[None, :],
                                     other=0.0), axis=0)
             b_post = tl.load(base_ptr + HC + offs_j, mask=mj, other=0.0).to(tl.float32)
@@ -280,19 +284,20 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tup
     return ws, m_pad
 
 
-def _mix(X: torch.Tensor, ws: torch.Tensor, m_pad: int, base: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
-         post: torch.Tensor | None, comb: torch.Tensor | None, cfg: HcConfig, iters: int, eps: float,
-         norm_eps: float) -> None:
-    """Kernel B: x (and post, comb unless hc_head)."""
+def _mix(X: torch.Tensor, ws: torch.Tensor, m: int, m_pad: int, base: torch.Tensor, scale: torch.Tensor,
+         x: torch.Tensor | None, post: torch.Tensor | None, comb: torch.Tensor | None, cfg: HcConfig, iters: int,
+         eps: float, norm_eps: float) -> None:
+    """Kernel B: x (unless None) and post, comb (unless None: hc_head, or launched apart)."""
     n, hc, hidden = X.shape
-    head = post is None
+    coeffs = post is not None
     block_h = _block_h(cfg.block_h, cfg.mix_warps, X.dtype, hidden)
-    h_blocks = cdiv(hidden, block_h)
-    _mix_kernel[(n, h_blocks + (0 if head else 1))](
-        X, ws, _rows(base), _rows(scale), x, x if head else post, x if head else comb,
-        hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), x.stride(0),
-        HC=hc, HC_PAD=next_pow2(hc), M_PAD=m_pad, S_PAD=next_pow2(cfg.split), BLOCK_H=block_h, HEAD=head,
-        num_warps=cfg.mix_warps, **pdl_args(X))
+    h_blocks = cdiv(hidden, block_h) if x is not None else 0
+    some = x if x is not None else post
+    _mix_kernel[(n, h_blocks + coeffs)](
+        X, ws, _rows(base), _rows(scale), some, post if coeffs else some, comb if coeffs else some,
+        hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), some.stride(0),
+        HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=m_pad, S_PAD=next_pow2(cfg.split), BLOCK_H=block_h,
+        COEFFS=coeffs, num_warps=cfg.mix_warps, **pdl_args(X))
 
 
 def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
@@ -303,10 +308,14 @@ def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
 
 def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
                   eps: float, norm_eps: float, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  config: HcConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  config: HcConfig | None = None, coeffs_branch: Branch | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused hc_pre: X [N, hc, H] -> (x [N, H] in X's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32), as
     `hc_pre_reference`. `into` = (x, post, comb) buffers to fill (every element written). Runs on CUDA, or on
-    CPU tensors under TRITON_INTERPRET=1."""
+    CPU tensors under TRITON_INTERPRET=1. `coeffs_branch`: post and comb, which only hc_post needs, are a
+    launch of their own in that `Branch` (on its side stream when it is on): the Sinkhorn chain is the longest
+    program of kernel B, so x, which the sub-block needs next, comes one program-length sooner. Use post and
+    comb after the branch's join()."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -322,7 +331,13 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         return x, post, comb
     cfg = _config(config, X)
     ws, m_pad = _mix_logits(X, fn, m, cfg)
-    _mix(X, ws, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps)
+    if coeffs_branch is None:
+        _mix(X, ws, m, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps)
+        return x, post, comb
+    _mix(X, ws, m, m_pad, base, scale, x, None, None, cfg, iters, eps, norm_eps)
+    with coeffs_branch:
+        _mix(X, ws, m, m_pad, base, scale, None, post, comb, cfg, iters, eps, norm_eps)
+    coeffs_branch.hold(ws)
     return x, post, comb
 
 
@@ -340,7 +355,7 @@ def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
         return y
     cfg = _config(config, X)
     ws, m_pad = _mix_logits(X, fn, hc, cfg)
-    _mix(X, ws, m_pad, base, scale, y, None, None, cfg, 0, eps, norm_eps)
+    _mix(X, ws, hc, m_pad, base, scale, y, None, None, cfg, 0, eps, norm_eps)
     return y
 
 
