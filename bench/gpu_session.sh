@@ -21,10 +21,9 @@
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
 #   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
+#   bash bench/gpu_session.sh fp8sweep  # the FP8 decode GEMV's tilings on the V4-Flash shapes (prints TUNED_DECODE)
 #   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post, hc_head against the torch references)
 #   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
-#   bash bench/gpu_session.sh l2        # the L2 prefetch kernel's DRAM rate, then the decode bench with each
-#                                       # MOEBOX_L2_PREFETCH part on (experimental, off by default)
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
 #   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
 #   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in
@@ -32,7 +31,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|mhc|topk|l2|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -58,21 +57,19 @@ tests)
         ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
-        tests/test_l2_prefetch.py tests/test_cuda.py}
+        tests/test_cuda.py}
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
     step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
+    ;;
+fp8sweep)
+    step fp8-sweep python3 -m moebox.ops.triton.fp8_linear --sweep
     ;;
 mhc)
     step mhc-bench python3 -m moebox.ops.triton.mhc
     ;;
 topk)
     step topk-bench python3 -m moebox.ops.triton.topk
-    ;;
-l2)
-    step l2-prefetch-bench python3 -m moebox.ops.triton.l2_prefetch
-    AB="MOEBOX_L2_PREFETCH=0 MOEBOX_L2_PREFETCH=1 MOEBOX_L2_PREFETCH=qkv MOEBOX_L2_PREFETCH=o MOEBOX_L2_PREFETCH=shared" \
-        bash "$0" ab
     ;;
 ncu)                          # hardware counters: DRAM throughput, stall reasons, occupancy of each launch
     step ncu env MOEBOX_PDL=0 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-mma_kernel|fp8_gemv}" \

@@ -112,7 +112,10 @@ def test_pick_config_takes_tuned_entries(monkeypatch: pytest.MonkeyPatch) -> Non
     b = Fp8Config(16, 32, 2, 4, 4)
     monkeypatch.setattr(fp8_mod, "TUNED_DECODE", {(4096, 8192): ((1, a), (16, b))})
     assert pick_config(1, 4096, 8192) == replace(a, split_k=1)
-    assert pick_config(3, 4096, 8192) == b and pick_config(16, 4096, 8192) == b
+    assert pick_config(9, 4096, 8192) == b and pick_config(16, 4096, 8192) == b
+    # N = 2..8: no entry was timed there (max N / 2 < N <= max N), so the heuristic: the GEMV up to GEMV_MAX_N
+    assert pick_config(3, 4096, 8192) == fp8_mod.resolve_split(fp8_mod._gemv_config(3, 4096, 8192, 132), 3, 4096,
+                                                               8192)
     assert pick_config(17, 4096, 8192).block_n >= 64              # prefill ignores the table
     assert pick_config(1, 4096, 4096).kernel == "gemv"            # other shapes: the heuristic
 
@@ -226,6 +229,19 @@ _GEMV_INTERPRETER_CHECK = textwrap.dedent("""
     ref = fp8_linear_reference(x, w2)
     results.append(dict(case="strided x", same_buffer=True, finite=bool(torch.isfinite(y).all()),
                         rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm()), tol=1e-5))
+    # the same kernel on float weights (dense_gemv): (N, out, in, weight/x dtype, out dtype, config), the default
+    # pick (fp32 weights: 4-byte steps), odd shapes, split-K with a partial last step, fp16 in, fp32 out
+    from moebox.ops.triton.fp8_linear import dense_gemv
+    for n, out_f, in_f, dt, out_dt, cfg in [(1, 37, 261, torch.float32, torch.float32, None),
+                                            (5, 130, 200, torch.float32, torch.float32, g(4, 8, 128, split=2)),
+                                            (3, 64, 300, torch.float16, torch.float32, g(2, 4, 256)),
+                                            (16, 40, 96, torch.float16, torch.float16, None)]:
+        x, w = torch.randn(n, in_f).to(dt), torch.randn(out_f, in_f).to(dt)
+        y = dense_gemv(x, w, out_dt, config=cfg)
+        ref = x.double() @ w.double().T
+        results.append(dict(case=["dense", n, out_f, in_f, str(dt), str(cfg)], same_buffer=y.dtype == out_dt,
+                            finite=bool(torch.isfinite(y).all()), ref_norm=float(ref.norm()),
+                            rel=float((y.double() - ref).norm() / ref.norm()), tol=tol[out_dt]))
     print("RESULT " + json.dumps(results))
 """)
 
@@ -345,6 +361,43 @@ def test_gpu_gemv_forced_tilings(config: Fp8Config) -> None:
             _check_gpu(w, n, torch.bfloat16, config=config)
     _check_gpu(w, 3, torch.float16, config=config)
     _check_gpu(w, 3, torch.float32, config=config, tol=1e-5)
+
+
+@pytest.mark.parametrize("key", sorted(fp8_mod.TUNED_DECODE), ids=str)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tuned_decode_entries(key: tuple[int, int]) -> None:
+    """Every TUNED_DECODE entry, as pick_config takes it at its largest N and the N below it (rows past N
+    clamped), against the fp32 reference with bf16 x (the fp16 dots convert x in the kernel)."""
+    w = _gpu_weight(*key)
+    for max_n, cfg in fp8_mod.TUNED_DECODE[key]:
+        for n in sorted({max_n, max(1, max_n - 1)}):
+            assert pick_config(n, *key).kernel == cfg.kernel
+            _check_gpu(w, n, torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_dense_gemv_and_its_dispatch(n: int) -> None:
+    """dense_gemv on the router's gate (256 x 4096 bf16) and a compressor-like 1024 x 4096 weight, fp32 and bf16
+    out, against an fp64 reference; decode-size `linear` / `logits_linear` (N <= 4) take it, the head-size
+    weight and 5 rows do not."""
+    from moebox.ops import linear as linear_mod
+    from moebox.ops.triton.fp8_linear import dense_gemv
+    for out_f in (256, 1024):
+        w = (torch.randn(out_f, 4096, device="cuda") * 0.02).bfloat16()
+        x = torch.randn(n, 4096, device="cuda").bfloat16()
+        ref = x.double() @ w.double().T
+        for out_dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 4e-3)):
+            y = dense_gemv(x, w, out_dtype)
+            assert y.dtype == out_dtype and torch.isfinite(y).all()
+            assert rel_err(y, ref) < tol, rel_err(y, ref)
+        assert torch.equal(linear_mod.logits_linear(x, w), dense_gemv(x, w, torch.float32))
+        assert torch.equal(linear_mod.linear(x, w), dense_gemv(x, w))
+    assert linear_mod._dense_gemv_takes(x, w)
+    assert not linear_mod._dense_gemv_takes(torch.randn(5, 4096, device="cuda").bfloat16(), w)
+    assert not linear_mod._dense_gemv_takes(x, torch.empty(1 << 15, 4096, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu

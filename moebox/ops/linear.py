@@ -22,11 +22,38 @@ def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype) if isinstance(w, torch.Tensor) else w.dequantize(dtype)
 
 
+# Decode-size products (N <= 4 rows) of bf16/fp16 weights up to this many elements go through the GEMV kernel
+# (`dense_gemv`); larger ones (the ~1 GB output head, which cuBLAS streams at the copy rate) and more rows (the
+# GEMV's work grows with them: at batch 8 and 16 it lost 0.3 and 1.0 ms a step on the H200) stay with torch.
+DENSE_GEMV_MAX_N = 4
+DENSE_GEMV_MAX_ELEMENTS = 1 << 26
+
+
+def _dense_gemv_takes(x: torch.Tensor, w: Weight) -> bool:
+    """Whether x @ w.T goes through `dense_gemv`: a CUDA decode-size product of a 16-bit float weight of x's
+    dtype, no autograd, triton present, MOEBOX_DENSE_GEMV not 0."""
+    if not (x.is_cuda and isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16) and w.numel() <= DENSE_GEMV_MAX_ELEMENTS
+            and x.numel() <= DENSE_GEMV_MAX_N * x.shape[-1]):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    from moebox.ops.triton.runtime import HAVE_TRITON, kernel_switched_on
+    return HAVE_TRITON and kernel_switched_on(x, "MOEBOX_DENSE_GEMV")
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    from moebox.ops.triton.fp8_linear import dense_gemv
+    return dense_gemv(x.reshape(-1, x.shape[-1]), w, out_dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if x.is_cuda and isinstance(w, QuantTensor) and w.kind == "fp8":
         from moebox.ops.triton.fp8_linear import fp8_linear
         y = fp8_linear(x.reshape(-1, x.shape[-1]), w)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+    if _dense_gemv_takes(x, w):
+        return _gemv(x, w, x.dtype)
     return F.linear(x, dense_weight(w, x.dtype))
 
 
@@ -51,13 +78,6 @@ def _stack_rows(ws: Sequence[Weight]) -> Weight:
     return torch.cat(list(ws))
 
 
-def stored_bytes(*weights: Weight) -> list[torch.Tensor]:
-    """The tensors that hold most of the weights' bytes (an FP8/FP4 weight's codes, a float weight itself; none
-    for 2-bit planes): what an L2 prefetch of them reads."""
-    return [w.data if isinstance(w, QuantTensor) else w for w in weights
-            if isinstance(w, (QuantTensor, torch.Tensor))]
-
-
 class SharedInputLinear:
     """Several linears of one input, as few products as their formats allow: weights that stack (same float
     dtype, or FP8 in whole scale blocks) run as one matmul over their concatenated rows whose output is split.
@@ -71,10 +91,6 @@ class SharedInputLinear:
             groups.setdefault(_stack_key(w, i), []).append(i)
         self.rows = [w.shape[0] for w in weights]
         self.parts = [(idx, _stack_rows([weights[i] for i in idx])) for idx in groups.values()]
-
-    def stored_bytes(self) -> list[torch.Tensor]:
-        """The stacked weights' byte tensors (see `stored_bytes`), one per product."""
-        return stored_bytes(*(w for _, w in self.parts))
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x @ w.T for each weight, in the order given (column slices of a shared product are views)."""
@@ -101,8 +117,11 @@ def logits_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """fp32 x W^T for the output heads and the router. On CUDA with a bf16/fp16 weight and x of the same dtype:
     one matmul with fp32 output (torch's mm out_dtype; bf16 products are exact in fp32, so only the summation
     order differs from the reference), and neither the ~1 GB head nor a router's gate is widened to fp32 per
-    step (the router's widening copies were ~7 us a layer at batch 1 on the H200). Else x in fp32 against the
+    step (the router's widening copies were ~7 us a layer at batch 1 on the H200); a decode-size product of a
+    weight below the head's size takes the GEMV kernel instead (see `linear`). Else x in fp32 against the
     weight widened (the CPU reference)."""
+    if _dense_gemv_takes(x, w):
+        return _gemv(x, w, torch.float32)
     if (x.is_cuda and isinstance(w, torch.Tensor) and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and hasattr(torch.ops.aten.mm, "dtype")):
         y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)

@@ -77,7 +77,8 @@ Dot, `_fp8_linear_kernel` (prefill, N > 16; decode N in (GEMV_MAX_N, 16] by defa
     fp32-x path uses fp16 terms (`Fp8Config.split_dtype`); fp16 x runs the GPU's single-dot path unchanged.
 
 Picking (`pick_config`): a decode call takes its weight shape's entry in TUNED_DECODE (filled from the sweep's
-output on the H200: it prints the lines to paste) if there is one, else the GEMV heuristic (`_gemv_config`:
+output on the H200: it prints the lines to paste; the keys are the stacked products the model calls,
+`V4_FLASH_DECODE_SHAPES`) if there is one, else the GEMV heuristic (`_gemv_config`:
 rows per program so that out / BLOCK_O gives ~3 programs per SM, BLOCK_K so that a step is 64 bytes per
 thread, 3 stages when there are several steps) for N <= GEMV_MAX_N and the dot decode tiles above that.
 
@@ -145,6 +146,12 @@ V4_FLASH_SHAPES: tuple[tuple[str, int, int], ...] = (
     ("shared_w1", 2048, 4096), ("shared_w2", 4096, 2048), ("e_proj", 4096, 4096))
 # (name, groups, rows per group, in): the grouped output projection (fp8_grouped_linear)
 V4_FLASH_GROUPED: tuple[str, int, int, int] = ("wo_a", 8, 1024, 4096)
+# (name, out, in): the products a V4-Flash decode step calls, weights stacked as the model stacks them
+# (SharedInputLinear: wq_a + wkv, wq_b + the indexer's wq_b in CSA layers, the shared w1 + w3; wo_a as [g*R, in]),
+# which are the TUNED_DECODE keys the sweep fills
+V4_FLASH_DECODE_SHAPES: tuple[tuple[str, int, int], ...] = (
+    ("wq_a+wkv", 1536, 4096), ("wq_b", 32768, 1024), ("wq_b+idx_wq_b", 40960, 1024), ("wo_a", 8192, 4096),
+    ("wo_b", 4096, 8192), ("shared_w1+w3", 4096, 4096), ("shared_w2", 4096, 2048))
 
 
 @dataclass(frozen=True)
@@ -179,8 +186,56 @@ class Fp8Config:
 GEMV_MAX_N = 8
 
 # The sweep's best decode configs on the H200, {(out, in): ((max N, config), ...)} with max N ascending: a
-# decode call takes the first entry whose max N >= its N (split_k 0 = automatic). `--sweep` prints these lines.
-TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {}
+# decode call takes the entry with max N / 2 < N <= max N (the sweep timed each at max N: a GEMV's work grows with
+# its tokens per program, a dot's does not shrink with N; other N take the heuristics). split_k 0 = automatic.
+# `--sweep` prints these lines.
+# From `python3 -m moebox.ops.triton.fp8_linear --sweep`, 2026-11-30 (twelfth session, docs/benchmarks.md). From
+# N = 4 or 8 up the dot path in fp16 wins (1.6-1.8x the bf16 dot at N = 16): bf16 x is converted to fp16 in the
+# kernel, so these products assume |x| < 65504 (normed or clamped activations, attention and its latents).
+TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {
+    (1536, 4096): (  # wq_a+wkv
+        (1, Fp8Config(block_n=1, block_o=4, num_stages=3, kernel='gemv', block_k=2048)),
+        (4, Fp8Config(bf16_as_fp16=True)),
+        (8, Fp8Config(bf16_as_fp16=True)),
+        (16, Fp8Config(bf16_as_fp16=True)),
+    ),
+    (32768, 1024): (  # wq_b
+        (1, Fp8Config(block_n=1, block_o=16, num_stages=1, kernel='gemv', block_k=512)),
+        (4, Fp8Config(block_n=4, num_stages=3, kernel='gemv', block_k=256)),
+        (8, Fp8Config(block_o=64, bf16_as_fp16=True)),
+        (16, Fp8Config(bf16_as_fp16=True)),
+    ),
+    (40960, 1024): (  # wq_b+idx_wq_b
+        (1, Fp8Config(block_n=1, block_o=16, num_stages=1, kernel='gemv', block_k=512)),
+        (4, Fp8Config(block_n=4, num_stages=3, kernel='gemv', block_k=256)),
+        (8, Fp8Config(block_o=64, num_warps=8, bf16_as_fp16=True)),
+        (16, Fp8Config(block_o=64, bf16_as_fp16=True)),
+    ),
+    (8192, 4096): (  # wo_a
+        (1, Fp8Config(block_n=1, block_o=16, kernel='gemv', block_k=512)),
+        (4, Fp8Config(bf16_as_fp16=True)),
+        (8, Fp8Config(bf16_as_fp16=True)),
+        (16, Fp8Config(bf16_as_fp16=True)),
+    ),
+    (4096, 8192): (  # wo_b
+        (1, Fp8Config(block_n=1, block_o=8, num_stages=3, kernel='gemv', block_k=1024)),
+        (4, Fp8Config(block_o=64, bf16_as_fp16=True)),
+        (8, Fp8Config(bf16_as_fp16=True)),
+        (16, Fp8Config(bf16_as_fp16=True)),
+    ),
+    (4096, 4096): (  # shared_w1+w3
+        (1, Fp8Config(block_n=1, block_o=8, num_stages=3, kernel='gemv', block_k=1024)),
+        (4, Fp8Config(bf16_as_fp16=True)),
+        (8, Fp8Config(bf16_as_fp16=True)),
+        (16, Fp8Config(bf16_as_fp16=True)),
+    ),
+    (4096, 2048): (  # shared_w2
+        (1, Fp8Config(block_n=1, block_o=8, num_stages=1, kernel='gemv', block_k=2048)),
+        (4, Fp8Config(block_n=4, block_o=4, num_stages=1, kernel='gemv', block_k=2048)),
+        (8, Fp8Config(bf16_as_fp16=True)),
+        (16, Fp8Config(bf16_as_fp16=True)),
+    ),
+}
 
 
 def _pow2_floor(v: int) -> int:
@@ -190,9 +245,10 @@ def _pow2_floor(v: int) -> int:
 def pick_config(n: int, out_features: int, in_features: int, x_dtype: torch.dtype = torch.bfloat16,
                 sms: int = 132) -> Fp8Config:
     """The default tiling for a call (split_k resolved): for decode (N <= 16) the TUNED_DECODE entry of the
-    weight shape, else the GEMV for N <= GEMV_MAX_N and the dot decode tiles above; GEMM tiles for N > 16."""
+    weight shape for N (max N / 2 < N <= max N), else the GEMV for N <= GEMV_MAX_N and the dot decode tiles above; GEMM tiles for N > 16."""
     if n <= 16:
-        tuned = next((c for max_n, c in TUNED_DECODE.get((out_features, in_features), ()) if n <= max_n), None)
+        tuned = next((c for max_n, c in TUNED_DECODE.get((out_features, in_features), ()) if max_n // 2 < n <= max_n),
+                     None)
         if tuned is not None:
             cfg = tuned
         elif n <= GEMV_MAX_N:
@@ -205,12 +261,13 @@ def pick_config(n: int, out_features: int, in_features: int, x_dtype: torch.dtyp
     return resolve_split(cfg, n, out_features, in_features, sms)
 
 
-def _gemv_config(n: int, out_features: int, in_features: int, sms: int) -> Fp8Config:
+def _gemv_config(n: int, out_features: int, in_features: int, sms: int, weight_bytes: int = 1) -> Fp8Config:
     """The GEMV heuristic: up to 4 tokens per program (x and the accumulators take registers per token),
     rows per program (1..16) leaving ~3 programs per SM per token block, a K step of 64 bytes per thread
-    (4 warps: BLOCK_O x BLOCK_K = 8 KB, at most the padded row), 3 stages when there are several steps."""
+    (4 warps: BLOCK_O x BLOCK_K = 8 KB of FP8, or of `weight_bytes`-byte floats, at most the padded row),
+    3 stages when there are several steps."""
     block_o = min(16, _pow2_floor(out_features // (3 * sms)))
-    block_k = max(BLOCK, min(8192 // block_o, next_pow2(in_features)))
+    block_k = max(BLOCK, min(8192 // (block_o * weight_bytes), next_pow2(in_features)))
     stages = 3 if in_features > block_k else 1
     return Fp8Config(block_n=min(4, next_pow2(n)), block_o=block_o, num_warps=4, num_stages=stages,
                      kernel="gemv", block_k=block_k)
@@ -311,15 +368,17 @@ if HAVE_TRITON:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_o < OUT)[:, None] & (offs_n < N)[None, :])
 
     @triton.jit
-    def _gemv_step(x, w, sb, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, KC: tl.constexpr):
-        """One K step on the CUDA cores. x [BN*KC, 16] and w [BO*KC, 16] (FP8) are rows of 16-column chunks,
-        chunk c of token/row i at i*KC + c; sb [BO*KC] the scale byte of each w chunk. Returns the fp32
-        [BN, BO, KC] partial sums of the chunks (16 products each, summed in a thread), times their scales."""
+    def _gemv_step(x, w, sb, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, KC: tl.constexpr, SCALED: tl.constexpr):
+        """One K step on the CUDA cores. x [BN*KC, 16] and w [BO*KC, 16] (FP8, or float when not SCALED) are
+        rows of 16-column chunks, chunk c of token/row i at i*KC + c; sb [BO*KC] the scale byte of each w chunk.
+        Returns the fp32 [BN, BO, KC] partial sums of the chunks (16 products each, summed in a thread), times
+        their scales."""
         w4 = tl.reshape(w, (1, BLOCK_O, KC, 16)).to(tl.float32)   # e4m3 -> f16 (2 per cvt) -> f32, exact
         x4 = tl.reshape(x, (BLOCK_N, 1, KC, 16)).to(tl.float32)
         part = tl.sum(w4 * x4, axis=3)
-        scale = (tl.reshape(sb, (1, BLOCK_O, KC)).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        return part * scale
+        if SCALED:
+            part = part * (tl.reshape(sb, (1, BLOCK_O, KC)).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        return part
 
     # N, OUT, ROWS and the split/scale/output strides are not specialized on (== 1, % 16), so one compile serves
     # all shapes and N alike; IN and the x / w row and x group strides are (% 16: the 16-byte vector loads and
@@ -329,9 +388,9 @@ if HAVE_TRITON:
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, OUT, ROWS, IN, STEPS_PER_SPLIT,
                          stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys,
                          BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
-        KC: tl.constexpr = BLOCK_K // 16   # 16-byte chunks per row and K step
+        KC: tl.constexpr = BLOCK_K // 16   # 16-column chunks per row and K step (16 bytes of FP8)
         pid_n = tl.program_id(0)
         pid_o = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -357,14 +416,14 @@ if HAVE_TRITON:
             k0 = step * BLOCK_K
             x = tl.load(x_ptrs + k0)
             w = tl.load(w_ptrs + k0)
-            sb = tl.load(s_ptrs + k0 // 128)
-            acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC)
+            sb = tl.load(s_ptrs + k0 // 128) if SCALED else 0
+            acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
         if full < step1:  # the partial last step is in this split
             k0 = full * BLOCK_K
             x = tl.load(x_ptrs + k0, mask=(k0 + x_cols)[:, None] + vec[None, :] < IN, other=0.0)
             w = tl.load(w_ptrs + k0, mask=(k0 + w_cols)[:, None] + vec[None, :] < IN, other=0.0)
-            sb = tl.load(s_ptrs + k0 // 128, mask=k0 + w_cols < IN, other=0)
-            acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC)
+            sb = tl.load(s_ptrs + k0 // 128, mask=k0 + w_cols < IN, other=0) if SCALED else 0
+            acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
         y = tl.sum(acc, axis=2)   # [BN, BO]: across the lanes and warps, once
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -489,11 +548,12 @@ def _run(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, n: int, out_f: int,
     return out
 
 
-def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, n: int, out_f: int,
+def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, n: int, out_f: int,
             rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config) -> None:
     """The kernel launch (+ the split-K sum) for out_f output rows in groups of `rows` (one group: rows = out_f):
     group i reads x[n] at x + n * x_strides[0] + i * x_strides[1] and writes out[n] at out + n * out_strides[0]
-    + i * out_strides[1] (x and out with unit column stride). cfg.block_o divides rows when there are groups."""
+    + i * out_strides[1] (x and out with unit column stride). cfg.block_o divides rows when there are groups.
+    scale None: a float weight (`dense_gemv`), GEMV only."""
     steps = -(-in_f // cfg.block_k)   # K steps (the dot kernel's are the 128-column blocks)
     split = _even_split(steps, cfg.split_k)
     per_split = -(-steps // split)
@@ -505,11 +565,12 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(out_f, cfg.block_o), split)
     pdl = pdl_args(x)
     if cfg.kernel == "gemv":
+        scaled = scale is not None
         _fp8_gemv_kernel[grid](
-            x, data, scale, y, n, out_f, rows, in_f, per_split,
-            x_strides[0], x_strides[1], data.stride(0), scale.stride(0), stride_yn, stride_yg, stride_ys,
-            BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, num_stages=1, **pdl)
+            x, data, scale if scaled else data, y, n, out_f, rows, in_f, per_split,
+            x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,
+            stride_ys, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+            SCALED=scaled, num_warps=cfg.num_warps, num_stages=1, **pdl)
     else:
         if x.dtype == torch.float32:
             terms = 2
@@ -546,6 +607,38 @@ def fp8_linear(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
     """Dispatcher: the Triton kernel for CUDA tensors (when triton imports), the torch reference elsewhere."""
     fn = fp8_linear_triton if (x.is_cuda and HAVE_TRITON) else fp8_linear_reference
     return fn(x, w, out=out, config=config)
+
+
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+               config: Fp8Config | None = None) -> torch.Tensor:
+    """x [N, in] @ w.T for a float weight w [out, in] (bf16/fp16/fp32, contiguous rows) through the GEMV kernel
+    (products and sums in fp32, one rounding to out_dtype, default x's dtype): for decode-size N, where cuBLAS
+    takes a split-K GEMM and a second launch to reduce it (the router's 2 MB gate: ~9 us a layer on the H200).
+    `config`: a "gemv" Fp8Config (default: the GEMV heuristic for w's element size)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    _check_dtype(x)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.dtype not in _DENSE_WEIGHTS:
+        raise ValueError(f"x [N, in] and a bf16/fp16/fp32 weight [out, in]: got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)} {w.dtype}")
+    n, (out_f, in_f) = x.shape[0], w.shape
+    out = torch.empty((n, out_f), dtype=out_dtype or x.dtype, device=x.device)
+    if n == 0 or out_f == 0:
+        return out
+    if in_f == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    sms = num_sms(x.device)
+    cfg = resolve_split(config or _gemv_config(n, out_f, in_f, sms, w.element_size()), n, out_f, in_f, sms)
+    _check_config(cfg)
+    if cfg.kernel != "gemv":
+        raise ValueError(f"dense_gemv takes GEMV configs only: {cfg}")
+    _launch(x, w, None, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), cfg)
+    return out
+
+
+_DENSE_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ grouped
@@ -739,7 +832,9 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
     """What the sweep times for one call: the dot decode default, the GEMV default and its neighbours (half and
     twice the rows per program at the same bytes per step, a twice-as-long step, 8 warps with a twice-as-long
     step, 1 and 4 stages and split-K 2 when there are several steps, half the tokens per program for N > 1
-    and 8 for N > 4)."""
+    and 8 for N > 4); for N > 1 also the dot path in fp16 (bf16_as_fp16: one e4m3 -> f16 conversion a weight
+    pair where bf16 takes a further f16 -> bf16 one a weight) at 16, 32 and 64 rows a program, and 64 rows
+    with 8 warps."""
     g = _gemv_config(n, out_f, in_f, sms)
     pad = max(BLOCK, next_pow2(in_f))
 
@@ -759,6 +854,9 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
         out.append(gemv(block_n=g.block_n // 2))
     if n > 4:
         out.append(gemv(block_n=8))
+    if n > 1:
+        out += [Fp8Config(block_n=16, block_o=bo, num_warps=w, num_stages=4, bf16_as_fp16=True)
+                for bo, w in ((16, 4), (32, 4), (64, 4), (64, 8))]
     return list(dict.fromkeys(out))  # unique, in order
 
 
@@ -804,8 +902,8 @@ def _precompile(jobs: Sequence[tuple[int, int, int, Fp8Config]], dtype: torch.dt
 
 
 def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-          shapes: Sequence[tuple[str, int, int]] = V4_FLASH_SHAPES, tokens: Sequence[int] = (1, 4, 16),
-          l2_miss_bytes: int = 256 << 20, budget_s: float = 110.0) -> list[dict]:
+          shapes: Sequence[tuple[str, int, int]] = V4_FLASH_DECODE_SHAPES, tokens: Sequence[int] = (1, 4, 8, 16),
+          l2_miss_bytes: int = 256 << 20, budget_s: float = 200.0) -> list[dict]:
     """Decode variants (`_sweep_variants`: the dot path and GEMV tilings) at each N in `tokens` on each shape,
     each replayed from a CUDA graph over >= l2_miss_bytes of weight copies. Prints one table (shape, N,
     variant, us per call, GB/s of weight bytes, % of the copy bandwidth; 'pick' marks pick_config's choice),
