@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moebox.ops.fuse import fused
-from moebox.ops.norm import rms_norm
+from moebox.ops.norm import rms_norm_reference
 from moebox.ops.streams import Branch
 
 
@@ -60,7 +60,7 @@ def hc_pre_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
                      eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32)."""
     n, hc, _ = X.shape
-    flat = rms_norm(X.flatten(1).float(), None, norm_eps)
+    flat = rms_norm_reference(X.flatten(1).float(), None, norm_eps)
     m = F.linear(flat, fn.float())                                       # [N, (2+hc)*hc]
     pre_m, post_m, comb_m = m.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
@@ -87,6 +87,6 @@ def hc_post_reference(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, co
 def hc_head_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
                       norm_eps: float) -> torch.Tensor:
     """Collapse the streams for the output head: y = sum_j (sigmoid(.) + eps)_j X[j]."""
-    flat = rms_norm(X.flatten(1).float(), None, norm_eps)
+    flat = rms_norm_reference(X.flatten(1).float(), None, norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + eps
     return (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
