@@ -245,7 +245,8 @@ def _pow2_floor(v: int) -> int:
 def pick_config(n: int, out_features: int, in_features: int, x_dtype: torch.dtype = torch.bfloat16,
                 sms: int = 132) -> Fp8Config:
     """The default tiling for a call (split_k resolved): for decode (N <= 16) the TUNED_DECODE entry of the
-    weight shape for N (max N / 2 < N <= max N), else the GEMV for N <= GEMV_MAX_N and the dot decode tiles above; GEMM tiles for N > 16."""
+    weight shape for N (max N / 2 < N <= max N), else the GEMV for N <= GEMV_MAX_N and the dot decode tiles
+    above; GEMM tiles for N > 16."""
     if n <= 16:
         tuned = next((c for max_n, c in TUNED_DECODE.get((out_features, in_features), ()) if max_n // 2 < n <= max_n),
                      None)
