@@ -187,7 +187,8 @@ GEMV_MAX_N = 8
 
 # The sweep's best decode configs on the H200, {(out, in): ((max N, config), ...)} with max N ascending: a
 # decode call takes the entry with max N / 2 < N <= max N (the sweep timed each at max N: a GEMV's work grows with
-# its tokens per program, a dot's does not shrink with N; other N take the heuristics). split_k 0 = automatic.
+# its tokens per program, a dot's does not shrink with N; other N take the heuristics: N = 2 here, which the sweep
+# now also times). split_k 0 = automatic.
 # `--sweep` prints these lines.
 # From `python3 -m moebox.ops.triton.fp8_linear --sweep`, 2026-11-30 (twelfth session, docs/benchmarks.md). From
 # N = 4 or 8 up the dot path in fp16 wins (1.6-1.8x the bf16 dot at N = 16): bf16 x is converted to fp16 in the
@@ -903,7 +904,7 @@ def _precompile(jobs: Sequence[tuple[int, int, int, Fp8Config]], dtype: torch.dt
 
 
 def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-          shapes: Sequence[tuple[str, int, int]] = V4_FLASH_DECODE_SHAPES, tokens: Sequence[int] = (1, 4, 8, 16),
+          shapes: Sequence[tuple[str, int, int]] = V4_FLASH_DECODE_SHAPES, tokens: Sequence[int] = (1, 2, 4, 8, 16),
           l2_miss_bytes: int = 256 << 20, budget_s: float = 200.0) -> list[dict]:
     """Decode variants (`_sweep_variants`: the dot path and GEMV tilings) at each N in `tokens` on each shape,
     each replayed from a CUDA graph over >= l2_miss_bytes of weight copies. Prints one table (shape, N,
