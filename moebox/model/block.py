@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from moebox.config import ModelConfig
@@ -26,19 +28,18 @@ class Block:
         self.hc_ffn = (g("hc_ffn_fn"), g("hc_ffn_base"), g("hc_ffn_scale"))
 
     def __call__(self, X: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
-        cfg = self.cfg
-        kw = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         decode = isinstance(batch, DecodeBatch)
-        # decode: mHC's post/comb (the Sinkhorn chain) on a side stream, next to the sub-block, until its hc_post
+        X = self._site(X, self.hc_attn, self.attn_norm, lambda x: self.attn(x, batch, cache), decode)
+        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x: self.ffn(x, batch.tokens), decode)
+
+    def _site(self, X: torch.Tensor, hc: tuple[torch.Tensor, ...], norm: torch.Tensor,
+              sub_block: Callable[[torch.Tensor], torch.Tensor], decode: bool) -> torch.Tensor:
+        """One mHC site around a sub-block: hc_pre, the sub-block's RMSNorm and the sub-block, hc_post. At decode
+        mHC's post/comb (the Sinkhorn chain) run on a side stream next to the sub-block, joined before hc_post."""
+        cfg = self.cfg
         coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
-        x, post, comb = hc_pre(X, *self.hc_attn, **kw, coeffs_branch=coeffs if coeffs.on else None)
-        x = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        out = self.attn(x, batch, cache)
-        coeffs.join()
-        X = hc_post(out, X, post, comb)
-        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
-        x, post, comb = hc_pre(X, *self.hc_ffn, **kw, coeffs_branch=coeffs if coeffs.on else None)
-        x = rms_norm(x, self.ffn_norm, cfg.rms_norm_eps)
-        out = self.ffn(x, batch.tokens)
+        x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                               coeffs_branch=coeffs if coeffs.on else None)
+        out = sub_block(rms_norm(x, norm, cfg.rms_norm_eps))
         coeffs.join()
         return hc_post(out, X, post, comb)

@@ -7,7 +7,7 @@ else, and every CPU run, is the torch reference: dequantize the whole weight per
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,27 +31,29 @@ DENSE_GEMV_MAX_ELEMENTS = 1 << 26
 
 def _dense_gemv_takes(x: torch.Tensor, w: Weight) -> bool:
     """Whether x @ w.T goes through `dense_gemv`: a CUDA decode-size product of a 16-bit float weight of x's
-    dtype, no autograd, triton present, MOEBOX_DENSE_GEMV not 0."""
-    if not (x.is_cuda and isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.dim() == 2
-            and x.dtype in (torch.bfloat16, torch.float16) and w.numel() <= DENSE_GEMV_MAX_ELEMENTS
-            and x.numel() <= DENSE_GEMV_MAX_N * x.shape[-1]):
+    dtype (see `decode_kernel_takes`; MOEBOX_DENSE_GEMV=0 turns it off)."""
+    if not (isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16) and w.numel() <= DENSE_GEMV_MAX_ELEMENTS):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return False
-    from moebox.ops.triton.runtime import HAVE_TRITON, kernel_switched_on
-    return HAVE_TRITON and kernel_switched_on(x, "MOEBOX_DENSE_GEMV")
+    from moebox.ops.triton.runtime import decode_kernel_takes
+    return decode_kernel_takes(x, "MOEBOX_DENSE_GEMV", DENSE_GEMV_MAX_N, w)
+
+
+def _on_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """product(x as rows [N, in]) -> [N, out], shaped back to x's leading dims."""
+    y = product(x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     from moebox.ops.triton.fp8_linear import dense_gemv
-    return dense_gemv(x.reshape(-1, x.shape[-1]), w, out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    return _on_rows(x, lambda rows: dense_gemv(rows, w, out_dtype))
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     if x.is_cuda and isinstance(w, QuantTensor) and w.kind == "fp8":
         from moebox.ops.triton.fp8_linear import fp8_linear
-        y = fp8_linear(x.reshape(-1, x.shape[-1]), w)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return _on_rows(x, lambda rows: fp8_linear(rows, w))
     if _dense_gemv_takes(x, w):
         return _gemv(x, w, x.dtype)
     return F.linear(x, dense_weight(w, x.dtype))
@@ -124,6 +126,5 @@ def logits_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
         return _gemv(x, w, torch.float32)
     if (x.is_cuda and isinstance(w, torch.Tensor) and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and hasattr(torch.ops.aten.mm, "dtype")):
-        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        return _on_rows(x, lambda rows: torch.mm(rows, w.t(), out_dtype=torch.float32))
     return linear(x.float(), w)

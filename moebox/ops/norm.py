@@ -25,13 +25,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    # tracing first: inside a compiled function the row count may be symbolic (no guard on it)
-    if torch.compiler.is_compiling() or not x.is_cuda or x.numel() > KERNEL_MAX_ROWS * x.shape[-1]:
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return False
-    from moebox.ops.triton.runtime import HAVE_TRITON, kernel_switched_on
-    return HAVE_TRITON and kernel_switched_on(x, "MOEBOX_NORM_KERNEL")
+    from moebox.ops.triton.runtime import decode_kernel_takes
+    return decode_kernel_takes(x, "MOEBOX_NORM_KERNEL", KERNEL_MAX_ROWS, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -532,18 +532,24 @@ def _check_dtype(x: torch.Tensor) -> None:
         raise ValueError(f"x must be bf16, fp16 or fp32, got {x.dtype}")
 
 
-def _run(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, n: int, out_f: int, rows: int, in_f: int,
-         x_strides: tuple[int, int], out_strides: tuple[int, int], config: Fp8Config | None) -> torch.Tensor:
-    """What the plain and the grouped call share once x and out are checked: the empty cases, the tiling (the
-    one for the whole [out_f, in] weight, or `config`), the launch."""
+def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: int, out_f: int, rows: int,
+         in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], config: Fp8Config | None) -> torch.Tensor:
+    """What the plain, the grouped and the dense call share once x and out are checked: the empty cases, the
+    tiling (the one for the whole [out_f, in] weight, or `config`), the launch. A float weight (`dense_gemv`) has
+    no scales and runs the GEMV only, by default with the GEMV heuristic for its element size."""
     if n == 0 or out_f == 0:
         return out
     if in_f == 0:
         return out.zero_()
-    data, scale = _kernel_weight(w)
+    data, scale = _kernel_weight(w) if isinstance(w, QuantTensor) else (w, None)
     sms = num_sms(x.device)
-    cfg = pick_config(n, out_f, in_f, x.dtype, sms) if config is None else resolve_split(config, n, out_f, in_f, sms)
+    if config is None:
+        config = (pick_config(n, out_f, in_f, x.dtype, sms) if scale is not None else
+                  _gemv_config(n, out_f, in_f, sms, w.element_size()))
+    cfg = resolve_split(config, n, out_f, in_f, sms)
     _check_config(cfg)
+    if scale is None and cfg.kernel != "gemv":
+        raise ValueError(f"a float weight takes GEMV configs only: {cfg}")
     if rows != out_f and rows % cfg.block_o:
         raise ValueError(f"block_o {cfg.block_o} must divide the {rows} rows of a group: {cfg}")
     _launch(x, data, scale, out, n, out_f, rows, in_f, x_strides, out_strides, cfg)
@@ -611,6 +617,9 @@ def fp8_linear(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
     return fn(x, w, out=out, config=config)
 
 
+_DENSE_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
                config: Fp8Config | None = None) -> torch.Tensor:
     """x [N, in] @ w.T for a float weight w [out, in] (bf16/fp16/fp32, contiguous rows) through the GEMV kernel
@@ -625,22 +634,9 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None =
                          f"w {tuple(w.shape)} {w.dtype}")
     n, (out_f, in_f) = x.shape[0], w.shape
     out = torch.empty((n, out_f), dtype=out_dtype or x.dtype, device=x.device)
-    if n == 0 or out_f == 0:
-        return out
-    if in_f == 0:
-        return out.zero_()
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    sms = num_sms(x.device)
-    cfg = resolve_split(config or _gemv_config(n, out_f, in_f, sms, w.element_size()), n, out_f, in_f, sms)
-    _check_config(cfg)
-    if cfg.kernel != "gemv":
-        raise ValueError(f"dense_gemv takes GEMV configs only: {cfg}")
-    _launch(x, w, None, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), cfg)
-    return out
-
-
-_DENSE_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)
+    return _run(x, w, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), config)
 
 
 # ------------------------------------------------------------------------------------------ grouped

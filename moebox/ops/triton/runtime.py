@@ -96,6 +96,18 @@ def kernel_switched_on(t: torch.Tensor, switch: str, default: bool = True) -> bo
     return (t.is_cuda or interpreting()) and (default if value is None else value != "0")
 
 
+def decode_kernel_takes(x: torch.Tensor, switch: str, max_rows: int, *params: torch.Tensor | None) -> bool:
+    """Whether a decode-size CUDA input takes a kernel that stands in for a torch function: x on CUDA with at
+    most `max_rows` rows (over its last dim), outside torch.compile tracing (checked first: there the row count
+    may be symbolic) and outside autograd (x or a param requiring grad: the kernels have no backward), triton
+    present and `switch` not 0."""
+    if torch.compiler.is_compiling() or not x.is_cuda or x.numel() > max_rows * x.shape[-1]:
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params)):
+        return False
+    return HAVE_TRITON and kernel_switched_on(x, switch)
+
+
 def versions() -> str:
     """The line a kernel bench prints first: torch, triton and the device it runs on."""
     return (f"torch {torch.__version__}, triton {triton.__version__ if HAVE_TRITON else None}, "
