@@ -187,51 +187,58 @@ GEMV_MAX_N = 8
 
 # The sweep's best decode configs on the H200, {(out, in): ((max N, config), ...)} with max N ascending: a
 # decode call takes the entry with max N / 2 < N <= max N (the sweep timed each at max N: a GEMV's work grows with
-# its tokens per program, a dot's does not shrink with N; other N take the heuristics: N = 2 here, which the sweep
-# now also times). split_k 0 = automatic.
+# its tokens per program, a dot's does not shrink with N). split_k 0 = automatic.
 # `--sweep` prints these lines.
-# From `python3 -m moebox.ops.triton.fp8_linear --sweep`, 2026-11-30 (twelfth session, docs/benchmarks.md). From
+# From `python3 -m moebox.ops.triton.fp8_linear --sweep`, 2026-11-30 (twelfth session; the N = 2 entries from the
+# thirteenth's `--sweep --tokens 2`, 1.04-1.3x the GEMV heuristic's pick: docs/benchmarks.md). From
 # N = 4 or 8 up the dot path in fp16 wins (1.6-1.8x the bf16 dot at N = 16): bf16 x is converted to fp16 in the
 # kernel, so these products assume |x| < 65504 (normed or clamped activations, attention and its latents).
 TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {
     (1536, 4096): (  # wq_a+wkv
         (1, Fp8Config(block_n=1, block_o=4, num_stages=3, kernel='gemv', block_k=2048)),
+        (2, Fp8Config(block_n=2, block_o=2, num_stages=1, kernel='gemv', block_k=4096)),
         (4, Fp8Config(bf16_as_fp16=True)),
         (8, Fp8Config(bf16_as_fp16=True)),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (32768, 1024): (  # wq_b
         (1, Fp8Config(block_n=1, block_o=16, num_stages=1, kernel='gemv', block_k=512)),
+        (2, Fp8Config(block_n=2, num_stages=3, kernel='gemv', block_k=256)),
         (4, Fp8Config(block_n=4, num_stages=3, kernel='gemv', block_k=256)),
         (8, Fp8Config(block_o=64, bf16_as_fp16=True)),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (40960, 1024): (  # wq_b+idx_wq_b
         (1, Fp8Config(block_n=1, block_o=16, num_stages=1, kernel='gemv', block_k=512)),
+        (2, Fp8Config(block_n=2, num_stages=3, kernel='gemv', block_k=256)),
         (4, Fp8Config(block_n=4, num_stages=3, kernel='gemv', block_k=256)),
         (8, Fp8Config(block_o=64, num_warps=8, bf16_as_fp16=True)),
         (16, Fp8Config(block_o=64, bf16_as_fp16=True)),
     ),
     (8192, 4096): (  # wo_a
         (1, Fp8Config(block_n=1, block_o=16, kernel='gemv', block_k=512)),
+        (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=1024)),
         (4, Fp8Config(bf16_as_fp16=True)),
         (8, Fp8Config(bf16_as_fp16=True)),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (4096, 8192): (  # wo_b
         (1, Fp8Config(block_n=1, block_o=8, num_stages=3, kernel='gemv', block_k=1024)),
+        (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=512)),
         (4, Fp8Config(block_o=64, bf16_as_fp16=True)),
         (8, Fp8Config(bf16_as_fp16=True)),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (4096, 4096): (  # shared_w1+w3
         (1, Fp8Config(block_n=1, block_o=8, num_stages=3, kernel='gemv', block_k=1024)),
+        (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=512)),
         (4, Fp8Config(bf16_as_fp16=True)),
         (8, Fp8Config(bf16_as_fp16=True)),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (4096, 2048): (  # shared_w2
         (1, Fp8Config(block_n=1, block_o=8, num_stages=1, kernel='gemv', block_k=2048)),
+        (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=512)),
         (4, Fp8Config(block_n=4, block_o=4, num_stages=1, kernel='gemv', block_k=2048)),
         (8, Fp8Config(bf16_as_fp16=True)),
         (16, Fp8Config(bf16_as_fp16=True)),
@@ -989,25 +996,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=V4_FLASH_GROUPED[2],
                    help="--grouped: rows per group, a multiple of 128 (default %(default)s)")
     p.add_argument("--in-features", type=int, default=V4_FLASH_GROUPED[3], help="--grouped: in (default %(default)s)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16], help="--grouped: N values (default 1 4 16)")
+    p.add_argument("--tokens", type=int, nargs="+",
+                   help="N values (default: 1 2 4 8 16 for --sweep, 1 4 16 for --grouped)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if args.rows % BLOCK or args.groups < 1 or min(args.tokens) < 1:
+    if args.rows % BLOCK or args.groups < 1 or min(args.tokens or [1]) < 1:
         raise SystemExit(f"--rows must be a multiple of {BLOCK}, --groups and --tokens positive")
     bench_start()
     grouped = ("wo_a" if (args.groups, args.rows, args.in_features) == V4_FLASH_GROUPED[1:] else "grouped",
                args.groups, args.rows, args.in_features)
     if args.sweep:
-        sweep()
+        sweep(tokens=args.tokens or (1, 2, 4, 8, 16))
     if args.sweep_prefill:
         sweep_prefill()
     if not (args.sweep or args.sweep_prefill or args.grouped):
         bench()
     if args.grouped or not (args.sweep or args.sweep_prefill):
-        bench_grouped(shape=grouped, tokens=args.tokens)
+        bench_grouped(shape=grouped, tokens=args.tokens or (1, 4, 16))
 
 
 if __name__ == "__main__":
