@@ -1,12 +1,15 @@
 """The fused mHC kernels (moebox/ops/triton/mhc.py) against the torch references (moebox/ops/mhc.py).
 
-- CPU: the dispatchers run the references off CUDA; the tiling choice; argument checks; the kernels themselves in
-  Triton's interpreter (TRITON_INTERPRET=1 is read when triton is imported, so that check runs in a
-  subprocess), fp32 and fp16, tiny shapes: hc 2, 3 (padded), 4; H 64, 80, 96, 256; splits that do not divide
-  K, several H blocks with a partial last one, several token tiles, strided X, iters 1 and 20.
+- CPU: the dispatchers run the references off CUDA; the tiling choice (the gemv logits kernel for N <= 4, the
+  dot above or with MOEBOX_MHC_GEMV=0); argument checks; the kernels themselves in Triton's interpreter
+  (TRITON_INTERPRET=1 is read when triton is imported, so that check runs in a subprocess), fp32 and fp16, tiny
+  shapes: hc 2, 3 (padded), 4; H 64, 80, 96, 256; both logits kernels (hc_pre and hc_head, the gemv at N 1 and 3,
+  the dot at N > 4 and forced at N 2); splits that do not divide K, several H blocks with a partial last one,
+  several token tiles, strided X, iters 1 and 20.
 - GPU (marker `gpu`, skipped without CUDA): the V4-Flash shape (hc 4, H 4096) and tiny/odd ones, N in
   {1, 3, 16, 300}, fp32 and bf16, outputs poisoned with NaN (and the caching allocator's free blocks, which the
-  scratch reuses) before each run, determinism, forced tilings, N = 2048, the dispatch, a CUDA-graph replay.
+  scratch reuses) before each run, determinism, forced tilings of both logits kernels, N = 2048, the dispatch,
+  a CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -68,21 +71,30 @@ def test_dispatchers_run_the_references_on_cpu() -> None:
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-def test_pick_config_and_checks() -> None:
+def test_pick_config_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     from moebox.ops.triton.mhc import MAX_SPLIT, HcConfig, _block_h, fused_supported, hc_pre_triton, pick_config
     from moebox.ops.triton.mhc import resolve_config
+    monkeypatch.delenv("MOEBOX_MHC_GEMV", raising=False)
     for hc, hidden in ((4, 4096), (2, 64), (3, 96), (4, 7168)):
-        for n in (1, 3, 16, 17, 300, 2048):
+        for n in (1, 2, 3, 4, 5, 16, 17, 300, 2048):
             cfg = pick_config(n, hc, hidden, sms=132)
             kb = -(-hc * hidden // cfg.block_k)
             assert 1 <= cfg.split <= min(kb, MAX_SPLIT)
             per = -(-kb // cfg.split)
             assert -(-kb // per) == cfg.split            # every split has K steps
-            assert cfg.block_n == (16 if n <= 16 else 64)
-    v4 = pick_config(1, 4, 4096, sms=132)
-    assert v4.split == 128 and v4.block_k == 128           # decode: all of fn requested at once
+            want = ("gemv", {1: 1, 2: 2, 3: 4, 4: 4}[n]) if n <= 4 else ("dot", 16 if n <= 16 else 64)
+            assert (cfg.logits_kernel, cfg.block_n) == want
+    for n in (1, 4, 16):
+        v4 = pick_config(n, 4, 4096, sms=132)
+        assert v4.split == 128 and v4.block_k == 128       # decode: all of fn requested at once, either kernel
     assert pick_config(2048, 4, 4096, sms=132).split * 32 >= 132   # prefill: about a wave
     assert resolve_config(HcConfig(split=1000), 1, 4, 4096).split == 128
+    assert resolve_config(HcConfig(split=1000, logits_kernel="gemv"), 1, 4, 4096).split == 128
+    with pytest.raises(ValueError):
+        resolve_config(HcConfig(logits_kernel="tc"), 1, 4, 4096)
+    monkeypatch.setenv("MOEBOX_MHC_GEMV", "0")                # the A/B switch: the dot kernel at every N
+    assert all(pick_config(n, 4, 4096).logits_kernel == "dot" for n in (1, 3, 4))
+    assert pick_config(1, 4, 4096) == pick_config(16, 4, 4096)
     assert _block_h(0, 4, torch.bfloat16, 4096) == 1024 and _block_h(0, 4, torch.float32, 4096) == 512
     assert _block_h(0, 4, torch.bfloat16, 96) == 128 and _block_h(32, 4, torch.float32, 4096) == 32
     X, fn, base, scale = site(3, 4, 16)
@@ -100,13 +112,15 @@ def test_pick_config_and_checks() -> None:
 _INTERPRETER_CHECK = textwrap.dedent("""
     import json, os, sys, torch
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    os.environ.pop("MOEBOX_MHC_GEMV", None)   # the default choice of logits kernel
     sys.path.insert(0, sys.argv[1])
-    from moebox.ops.triton.mhc import (HcConfig, PostConfig, hc_head_reference, hc_head_triton, hc_post_reference,
-                                       hc_post_triton, hc_pre_reference, hc_pre_triton)
+    from moebox.ops.triton.mhc import (HcConfig, PostConfig, _config, hc_head_reference, hc_head_triton,
+                                       hc_post_reference, hc_post_triton, hc_pre_reference, hc_pre_triton)
     from moebox.ops.streams import Branch
     from tests.test_triton_mhc import post_inputs, site
     nan = float("nan")
     results = []
+    covered = set()   # (op, logits kernel, N), the kernel as the call picks it
 
     def add(case, got, ref, buf, tol):
         # rel: the largest error of a token relative to its own norm (token magnitudes differ 10^4x)
@@ -116,15 +130,20 @@ _INTERPRETER_CHECK = textwrap.dedent("""
                             finite=bool(torch.isfinite(got).all()), rel=float((err / norm).max()),
                             ref_norm=float(norm.min()), tol=tol))
 
-    # (hc, H, N, X dtype, iters, config): default decode (split 2) and prefill tilings, then forced ones:
-    # hc 3 padded to 4 with a split that leaves a partial K step (K 288, steps of 64) and 3 H blocks of 32;
-    # 2 token tiles x 4 splits (the last 1 step long); 9 splits padded to 16 in kernel B; iters 1
+    # (hc, H, N, X dtype, iters, config): default decode (N 1 and 3: the gemv logits kernel, split 2 and 1) and
+    # prefill tilings, then forced ones: hc 3 padded to 4 with a split that leaves a partial K step (K 288, steps
+    # of 64) and 3 H blocks of 32; 2 token tiles x 4 splits (the last 1 step long); the dot at N 2 with 9 splits
+    # padded to 16 in kernel B and iters 1; the gemv with a masked token row, M + 1 = M_PAD (hc 3) and 3 + 2 K
+    # steps, the last partial; the gemv with 3 token tiles, the last partial
+    gemv = dict(logits_kernel="gemv", num_stages=1)
     cases = [(4, 64, 1, torch.float32, 20, None), (2, 64, 3, torch.float32, 20, None),
              (4, 80, 20, torch.float32, 20, None),
              (3, 96, 5, torch.float32, 20, HcConfig(block_k=64, split=3, block_h=32)),
              (4, 80, 20, torch.float32, 20, HcConfig(block_n=16, block_k=32, split=4, block_h=64)),
              (3, 96, 2, torch.float32, 1, HcConfig(block_k=32, split=9, block_h=32)),
-             (4, 256, 3, torch.float16, 20, None), (2, 64, 17, torch.float16, 20, HcConfig(16, 32, 3, block_h=16))]
+             (4, 256, 3, torch.float16, 20, None), (2, 64, 17, torch.float16, 20, HcConfig(16, 32, 3, block_h=16)),
+             (3, 96, 3, torch.float32, 20, HcConfig(block_n=4, block_k=64, split=2, block_h=32, **gemv)),
+             (2, 64, 5, torch.float16, 20, HcConfig(block_n=2, block_k=32, split=2, **gemv))]
     for i, (hc, H, n, dt, iters, cfg) in enumerate(cases):
         X, fn, base, scale = site(n, hc, H, dt, seed=i)
         if i == 2:   # tokens with a row stride: every other row of a wider batch
@@ -135,16 +154,23 @@ _INTERPRETER_CHECK = textwrap.dedent("""
         branch = Branch(X, "mhc") if i in (1, 4) else None
         got = hc_pre_triton(X, fn, base, scale, **kw, into=into, config=cfg, coeffs_branch=branch)
         ref = hc_pre_reference(X, fn, base, scale, **kw)
-        name = f"hc_pre hc={hc} H={H} N={n} {dt} iters={iters} {cfg} apart={branch is not None}"
+        kernel = _config(cfg, X).logits_kernel
+        covered.add(("hc_pre", kernel, n))
+        name = f"hc_pre hc={hc} H={H} N={n} {dt} iters={iters} {kernel} {cfg} apart={branch is not None}"
         for out, g, r, b, tol in zip(("x", "post", "comb"), got, ref, into,
                                      (1e-3 if dt == torch.float16 else 1e-6, 4e-6, 4e-6)):
             add(f"{name}: {out}", g, r, b, tol)
-        if i in (0, 3, 6):
+        if i in (0, 3, 6, 8):
             Xh, fnh, bh, sh = site(n, hc, H, dt, seed=10 + i, head=True)
             y = torch.full((n, H), nan, dtype=dt)
             got = hc_head_triton(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6, into=y, config=cfg)
             ref = hc_head_reference(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6)
-            add(f"hc_head hc={hc} H={H} N={n} {dt}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
+            kernel = _config(cfg, Xh).logits_kernel
+            covered.add(("hc_head", kernel, n))
+            add(f"hc_head hc={hc} H={H} N={n} {dt} {kernel}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
+    for op in ("hc_pre", "hc_head"):   # both logits kernels: the gemv at N 1 and 3, the dot above 4
+        assert {(op, "gemv", 1), (op, "gemv", 3)} <= covered, covered
+        assert any(c[:2] == (op, "dot") and c[2] > 4 for c in covered), covered
 
     # hc_post: (hc, H, N, dtype, config); the fp16 reference rounds 3 times, the kernel once
     for i, (hc, H, n, dt, cfg) in enumerate([(4, 64, 3, torch.float32, None), (2, 256, 1, torch.float32, None),
@@ -256,7 +282,7 @@ def test_gpu_hc_post(shape: tuple, n: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n", [1, 16, 300])
+@pytest.mark.parametrize("n", [1, 3, 16, 300])
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=[s[0] for s in SHAPES[:2]])
 @pytest.mark.gpu
 @needs_cuda
@@ -281,7 +307,9 @@ def test_gpu_prefill_forced_tilings_and_strides() -> None:
     _check_pre(2048, 4, 4096, torch.bfloat16)
     for cfg in (HcConfig(split=1), HcConfig(block_k=64, split=256), HcConfig(block_n=64, block_k=64, split=7),
                 HcConfig(block_n=16, block_k=256, num_warps=8, mix_warps=8),
-                HcConfig(block_k=32, split=100, mix_warps=2, block_h=128)):
+                HcConfig(block_k=32, split=100, mix_warps=2, block_h=128),
+                HcConfig(block_n=4, logits_kernel="gemv"),
+                HcConfig(block_n=2, block_k=256, split=7, num_warps=8, logits_kernel="gemv")):
         for n in (1, 17, 300):
             _check_pre(n, 4, 4096, torch.bfloat16, config=cfg)
         _check_pre(5, 3, 96, torch.float32, config=cfg)

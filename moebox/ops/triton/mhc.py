@@ -13,9 +13,16 @@ hc_pre, X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (2
     "ieee", i.e. FMA, never TF32) and the tokens' sum of squares there, since rms_norm(z) @ fn^T =
     rsqrt(mean(z^2) + eps) * (z @ fn^T). Both go to the fp32 scratch ws [N, SPLIT, M_PAD] (the sum of squares
     in column M; M_PAD = next power of 2 > M, >= 16 for the dot): each partial written once, no atomics, no
-    zeroing. Decode (N <= 16): one 16-token tile (rows past N re-read row N-1, from L1) and one 128-column K
-    step per program, SPLIT = K / 128 = 128 programs, so all of fn is requested at once by ~one program per SM
-    (fn is what a decode call must stream). Prefill: 64-token tiles, SPLIT just enough for ~one wave.
+    zeroing. Decode (N <= 16; N <= 4 takes the gemv below): one 16-token tile (rows past N re-read row N-1,
+    from L1) and one 128-column K step per program, SPLIT = K / 128 = 128 programs, so all of fn is requested
+    at once by ~one program per SM (fn is what a decode call must stream). Prefill: 64-token tiles, SPLIT just
+    enough for ~one wave.
+  Kernel A for N <= GEMV_MAX_N (4), `_mix_logits_gemv_kernel`: the same partials on the CUDA cores, no tl.dot.
+    A 16-token dot tile is mostly padding there (15/16 of it at N = 1) and the fp32 "ieee" dot pays layout
+    conversions besides (~6.7 us a call at N = 1 on the H200 for ~1.6 MB read). Program (b, s) multiplies x
+    [BLOCK_N, 1, BLOCK_K] (BLOCK_N = next_pow2(N)) by fn [1, M_PAD, BLOCK_K] in fp32 and sums over K; same grid,
+    K steps and ws layout (M_PAD = next power of 2 > M, without the dot's minimum of 16). MOEBOX_MHC_GEMV=0
+    keeps the dot kernel at every N (to A/B the two).
   Kernel B, `_mix_kernel` (grid (N, 1 + H / BLOCK_H)): every program sums its token's SPLIT partials in a fixed
     order (deterministic) and gets rs = rsqrt(sumsq / K + norm_eps) and the logits it needs. Program 0 of a
     token computes post = 2 sigmoid(.) and comb (softmax over k + eps, 1 column and iters-1 (row, column)
@@ -40,8 +47,8 @@ Triton's exp / rsqrt / division).
 
 Bytes and time: an hc_pre call moves fn (1.57 MB) + X (N*K*2 bytes bf16: 32 KB a token) + x; X is read by both
 kernels (B's read hits L2 at decode). At 4.3 TB/s that is ~0.4 us at N = 1..16, so decode is latency-bound:
-two launches, kernel A one DRAM round trip per program (plus its FMA dot: 16 x 128 x 32 per program, the
-same at N = 1 as at 16), kernel B the longer of the x programs and the Sinkhorn program, a chain of 39
+two launches, kernel A one DRAM round trip per program (plus, at N > 4, its FMA dot: 16 x 128 x 32 per program,
+the same at N = 5 as at 16), kernel B the longer of the x programs and the Sinkhorn program, a chain of 39
 dependent [hc, hc] normalisations (each 1-2 warp shuffles and a division; the sm_90 build has no shared memory
 and no barrier in that loop; ~1.5 us by instruction latencies, not yet timed). hc_post moves 2*N*K*2 + N*H*2
 bytes.
@@ -53,6 +60,7 @@ CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -72,8 +80,9 @@ __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_sup
 @dataclass(frozen=True)
 class HcConfig:
     """hc_pre / hc_head tiling. Kernel A: BLOCK_N tokens x BLOCK_K columns of the flattened streams per step,
-    `split` programs along K (0 = automatic). Kernel B: mix_warps warps, BLOCK_H columns of H per program
-    (0 = automatic: one 16-byte vector per thread, see `_block_h`)."""
+    `split` programs along K (0 = automatic); logits_kernel "dot" (`_mix_logits_kernel`, tl.dot) or "gemv"
+    (`_mix_logits_gemv_kernel`, CUDA-core FMAs for a few tokens; num_stages unused). Kernel B: mix_warps
+    warps, BLOCK_H columns of H per program (0 = automatic: one 16-byte vector per thread, see `_block_h`)."""
 
     block_n: int = 16
     block_k: int = 128
@@ -82,6 +91,7 @@ class HcConfig:
     num_stages: int = 3
     mix_warps: int = 4
     block_h: int = 0
+    logits_kernel: str = "dot"
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,9 @@ class PostConfig:
 
 
 MAX_SPLIT = 256  # kernel B loads all partials of a token as one [next_pow2(split), ...] tile
+# Decode batches up to this take the gemv logits kernel (unless MOEBOX_MHC_GEMV=0): its work and registers grow
+# with the tokens of a program, while the dot's 16-token tile costs the same at any N <= 16.
+GEMV_MAX_N = 4
 
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
@@ -106,9 +119,15 @@ def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> i
 
 
 def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
-    """The default hc_pre/hc_head tiling (split resolved): decode (N <= 16) one 16-token tile and one K step
-    per program; prefill 64-token tiles with >= 8 K steps per program, ~one wave of programs."""
-    if n <= 16:
+    """The default hc_pre/hc_head tiling (split resolved): N <= GEMV_MAX_N the gemv logits kernel (unless
+    MOEBOX_MHC_GEMV=0) with all tokens in one program; other decode (N <= 16) one 16-token dot tile; both one
+    K step per program. Prefill 64-token tiles with >= 8 K steps per program, ~one wave of programs."""
+    if n <= GEMV_MAX_N and os.environ.get("MOEBOX_MHC_GEMV", "1") != "0":
+        # BLOCK_K 128, 4 warps: a warp's lanes span the K step with one 16-byte fp32 vector each and the warps
+        # split fn's rows, so a thread issues one 16-byte load per row it covers (M_PAD / 4), all at once, and
+        # the sum over K stays inside a warp (shuffles, no shared memory); SPLIT 128 at V4's K = 16384
+        cfg = HcConfig(block_n=next_pow2(n), block_k=128, num_warps=4, num_stages=1, logits_kernel="gemv")
+    elif n <= 16:
         cfg = HcConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
     else:
         cfg = HcConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
@@ -117,7 +136,9 @@ def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
 
 def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
     """cfg with split 0 replaced by the automatic choice, and clamped to 1..min(K steps, MAX_SPLIT) with every
-    split the same number of K steps (the last may be shorter)."""
+    split the same number of K steps (the last may be shorter); the same for either logits kernel."""
+    if cfg.logits_kernel not in ("dot", "gemv"):
+        raise ValueError(f"HcConfig.logits_kernel must be 'dot' or 'gemv', got {cfg.logits_kernel!r}")
     kb = cdiv(hc * hidden, cfg.block_k)
     split = cfg.split
     if not split:
@@ -154,6 +175,37 @@ if HAVE_TRITON:
             acc = tl.dot(x, w, acc, input_precision="ieee")
             sq += tl.sum(x * x, axis=1)
         acc = tl.where(offs_m[None, :] == M, sq[:, None], acc)
+        ws = ws_ptr + (offs_n.to(tl.int64)[:, None] * SPLIT + pid_s) * M_PAD + offs_m[None, :]
+        tl.store(ws, acc, mask=(offs_n < N)[:, None])
+
+    @triton.jit
+    def _mix_logits_gemv_kernel(x_ptr, fn_ptr, ws_ptr, N, K, M, K_PER_SPLIT, SPLIT, stride_xn, stride_fm,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
+                                PDL: tl.constexpr):
+        """`_mix_logits_kernel`'s partials for a few tokens on the CUDA cores: a broadcast fp32 product summed
+        over K, not a tl.dot whose 16-token tile would be mostly padding (the interpreter runs it exactly too)."""
+        pdl_start(PDL)
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, M_PAD)
+        # x [BN, 1, BK] and fn [1, MP, BK] tiles; rows past N / M are masked (not loaded; never stored / replaced)
+        x_rows = x_ptr + offs_n.to(tl.int64)[:, None, None] * stride_xn
+        fn_rows = fn_ptr + offs_m.to(tl.int64)[None, :, None] * stride_fm
+        mn = (offs_n < N)[:, None, None]
+        mm = (offs_m < M)[None, :, None]
+        k0 = pid_s * K_PER_SPLIT
+        k1 = tl.minimum(k0 + K_PER_SPLIT, K)
+        acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+        for k in range(k0, k1, BLOCK_K):
+            kk = (k + tl.arange(0, BLOCK_K))[None, None, :]
+            mk = kk < k1
+            x = tl.load(x_rows + kk, mask=mn & mk, other=0.0).to(tl.float32)
+            w = tl.load(fn_rows + kk, mask=mm & mk, other=0.0).to(tl.float32)
+            acc += tl.sum(x * w, axis=2)
+            sq += tl.sum(x * x, axis=2)
+        acc = tl.where(offs_m[None, :] == M, sq, acc)
         ws = ws_ptr + (offs_n.to(tl.int64)[:, None] * SPLIT + pid_s) * M_PAD + offs_m[None, :]
         tl.store(ws, acc, mask=(offs_n < N)[:, None])
 
@@ -268,19 +320,24 @@ def _filled(into: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tuple[torch.Tensor, int]:
-    """Kernel A: the fp32 partials [N, split, M_PAD] (logits in columns < M, sum of squares in column M)."""
+    """Kernel A (cfg.logits_kernel's): the fp32 partials [N, split, M_PAD] (logits in columns < M, sum of
+    squares in column M)."""
     n, hc, hidden = X.shape
     k = hc * hidden
     if tuple(fn.shape) != (m, k):
         raise ValueError(f"fn must be [{m}, {k}], got {tuple(fn.shape)}")
-    m_pad = max(16, next_pow2(m + 1))
+    gemv = cfg.logits_kernel == "gemv"
+    m_pad = next_pow2(m + 1) if gemv else max(16, next_pow2(m + 1))   # a dot tile is >= 16 wide
     per = cdiv(cdiv(k, cfg.block_k), cfg.split) * cfg.block_k
     ws = torch.empty((n, cfg.split, m_pad), dtype=torch.float32, device=X.device)
     fn = _rows(fn)
-    _mix_logits_kernel[(cdiv(n, cfg.block_n), cfg.split)](
-        X, fn, ws, n, k, m, per, cfg.split, X.stride(0), fn.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(X))
+    grid = (cdiv(n, cfg.block_n), cfg.split)
+    args = (X, fn, ws, n, k, m, per, cfg.split, X.stride(0), fn.stride(0))
+    tile = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, num_warps=cfg.num_warps)
+    if gemv:
+        _mix_logits_gemv_kernel[grid](*args, **tile, **pdl_args(X))
+    else:
+        _mix_logits_kernel[grid](*args, **tile, num_stages=cfg.num_stages, **pdl_args(X))
     return ws, m_pad
 
 
@@ -458,18 +515,27 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
     return rows
 
 
-def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 16)) -> None:
-    """hc_pre decode tilings around the default (fused only): which to make the default."""
+def _sweep_row(device: str | torch.device, cfg: HcConfig, tokens: Sequence[int]) -> None:
+    """One line of `sweep`: cfg's hc_pre times at `tokens`, or why it failed (e.g. triton's OutOfResources)."""
+    try:
+        rows = bench(device, tokens=tokens, config=cfg, ops=("hc_pre",), torch_ref=False, quiet=True)
+    except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources: report, go on
+        print(f"{cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return
+    print(f"{cfg}: " + "  ".join(f"N={r['N']} {r['us']:6.2f} us" for r in rows), flush=True)
+
+
+def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16)) -> None:
+    """hc_pre decode tilings around the default (fused only): which to make the default. The dot logits kernel
+    at every N, then the gemv one at each N <= GEMV_MAX_N with BLOCK_N = next_pow2(N), as pick_config sets it."""
     for block_k in (64, 128, 256):
         for warps in (2, 4, 8):
             for mix_warps in (2, 4, 8):
-                cfg = HcConfig(16, block_k, 0, warps, 3, mix_warps)
-                try:
-                    rows = bench(device, tokens=tokens, config=cfg, ops=("hc_pre",), torch_ref=False, quiet=True)
-                except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources: report, go on
-                    print(f"{cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                print(f"{cfg}: " + "  ".join(f"N={r['N']} {r['us']:6.2f} us" for r in rows), flush=True)
+                _sweep_row(device, HcConfig(16, block_k, 0, warps, 3, mix_warps), tokens)
+    for n in (t for t in tokens if t <= GEMV_MAX_N):
+        for block_k in (64, 128, 256):
+            for warps in (1, 2, 4, 8):
+                _sweep_row(device, HcConfig(next_pow2(n), block_k, 0, warps, 1, logits_kernel="gemv"), (n,))
 
 
 if __name__ == "__main__":  # python -m moebox.ops.triton.mhc [--sweep]
