@@ -28,8 +28,8 @@ import torch
 from moebox.model.decode_attention import attend
 from moebox.ops.attention import matmul_tf32
 from moebox.ops.triton import decode_attention as da
-from moebox.ops.triton.decode_attention import (AttendConfig, attend_decode, attend_reference, random_inputs,
-                                                resolve_config, supported)
+from moebox.ops.triton.decode_attention import (AttendConfig, attend_decode, attend_reference, pick_config,
+                                                random_inputs, resolve_config, supported)
 
 from tests.interpreter import check_in_interpreter
 
@@ -132,6 +132,8 @@ def test_resolve_config() -> None:
     assert resolve_config(AttendConfig(heads=64), 1, 20, 3).heads == 32
     assert resolve_config(AttendConfig(split=1000), 1, 64, 21).split == 21
     assert resolve_config(AttendConfig(split=0), 1, 64, 1).split == 1
+    # decode batches take 2 pipeline stages (the H200 sweep's pick), prefill's token-batches keep 3
+    assert [pick_config(b, 64, 21).num_stages for b in (1, 16, 17, 2048)] == [2, 2, 3, 3]
 
 
 def test_bench_entry_point_parses() -> None:

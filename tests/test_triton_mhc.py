@@ -82,17 +82,19 @@ def test_pick_config_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
             assert 1 <= cfg.split <= min(kb, MAX_SPLIT)
             per = -(-kb // cfg.split)
             assert -(-kb // per) == cfg.split            # every split has K steps
-            want = ("gemv", {1: 1, 2: 2, 3: 4, 4: 4}[n]) if n <= 4 else ("dot", 16 if n <= 16 else 64)
+            want = ("gemv", {1: 1, 2: 2}.get(n, 4)) if n <= 16 else ("dot", 64)
             assert (cfg.logits_kernel, cfg.block_n) == want
-    for n in (1, 4, 16):
+    for n in (1, 4, 8, 16):   # decode: all of fn requested at once by >= 128 programs (4 token tiles at N = 16)
         v4 = pick_config(n, 4, 4096, sms=132)
-        assert v4.split == 128 and v4.block_k == 128       # decode: all of fn requested at once, either kernel
+        assert v4.block_k == 128 and v4.split * -(-n // v4.block_n) >= 128 and v4.split == (64 if n == 16 else 128)
     assert pick_config(2048, 4, 4096, sms=132).split * 32 >= 132   # prefill: about a wave
     assert resolve_config(HcConfig(split=1000), 1, 4, 4096).split == 128
     assert resolve_config(HcConfig(split=1000, logits_kernel="gemv"), 1, 4, 4096).split == 128
     with pytest.raises(ValueError):
         resolve_config(HcConfig(logits_kernel="tc"), 1, 4, 4096)
-    monkeypatch.setenv("MOEBOX_MHC_GEMV", "0")                # the A/B switch: the dot kernel at every N
+    monkeypatch.setenv("MOEBOX_MHC_GEMV", "4")                # the A/B switch: the gemv up to 4 tokens
+    assert [pick_config(n, 4, 4096).logits_kernel for n in (4, 5, 16)] == ["gemv", "dot", "dot"]
+    monkeypatch.setenv("MOEBOX_MHC_GEMV", "0")                # the dot kernel at every N
     assert all(pick_config(n, 4, 4096).logits_kernel == "dot" for n in (1, 3, 4))
     assert pick_config(1, 4, 4096) == pick_config(16, 4, 4096)
     assert _block_h(0, 4, torch.bfloat16, 4096) == 1024 and _block_h(0, 4, torch.float32, 4096) == 512

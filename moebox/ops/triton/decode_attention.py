@@ -47,10 +47,12 @@ once per head group). This kernel splits by heads: `AttendConfig.heads` heads pe
 the GPU: the automatic SPLIT aims at `waves` x SMs programs with every split the same number of tiles; more
 splits cost partial traffic (SPLIT x nh x d x 4 bytes per sequence, written and read back, mostly in L2), so a
 split keeps at least `min_tiles` tiles.
-Default (V4-Flash, bf16): 16 heads x 32 keys a tile, 4 warps, 3 stages; built for sm_90 with Triton 3.9:
-240 registers (2 programs an SM), no spills, 82 KB shared memory, HMMA for all three dots, cp.async key tiles.
-At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is 11 / 7 / 3 splits = 44 / 112 / 192 programs. NOT YET TIMED on
-a GPU: `--sweep` times the alternatives in SWEEP; pick the default from it.
+Default (V4-Flash, bf16): 16 heads x 32 keys a tile, 4 warps, 3 stages (built for sm_90 with Triton 3.9: 240
+registers, 2 programs an SM, no spills, 82 KB shared memory, HMMA for all three dots, cp.async key tiles);
+decode batches (`DECODE_CONFIG`) take 2 stages: the thirteenth session's `--sweep` on the H200 (batch 1 and 4,
+docs/benchmarks.md) found 2 stages faster than 3 for every kind (CSA 15.84 -> 14.44 us, HCA 13.23 -> 11.84 at
+batch 1) and no other tiling faster on CSA and HCA. At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is 11 / 7 / 3
+splits = 44 / 112 / 192 programs.
 
 Bounds (`supported`): q [B, nh, d] fp32/bf16/fp16 with d % 16 == 0 and 16 <= d <= 1024 (padded to a power of
 two in registers), any nh (padded to a multiple of HB with masks), ring [S, R, d] and entries [S, E, d] plain
@@ -108,6 +110,9 @@ class AttendConfig:
 
 
 DEFAULT_CONFIG = AttendConfig()
+# decode batches (<= 16 sequences): 2 stages, the sweep's pick for batch 1 and 4 (see the module doc); prefill
+# (one "sequence" a token, 2K-16K of them) keeps 3, which its benches were taken with
+DECODE_CONFIG = replace(DEFAULT_CONFIG, num_stages=2)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -131,9 +136,14 @@ def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int 
     return replace(cfg, heads=hb, split=cdiv(tiles, per))
 
 
+def default_config(batch: int) -> AttendConfig:
+    """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16, else `DEFAULT_CONFIG`."""
+    return DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
+
+
 def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
-    """The default tiling for a call (`DEFAULT_CONFIG` resolved)."""
-    return resolve_config(DEFAULT_CONFIG, batch, nh, tiles, sms)
+    """The default tiling for a call (`default_config` resolved)."""
+    return resolve_config(default_config(batch), batch, nh, tiles, sms)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -332,7 +342,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     r = ring.shape[1]
     has_ent = entries is not None
     ke = valid.shape[1] if has_ent else 0
-    cfg0 = config or DEFAULT_CONFIG
+    cfg0 = config or default_config(b)
     nw, ne = cdiv(r, cfg0.block_k), cdiv(ke, cfg0.block_k)
     cfg = resolve_config(cfg0, b, nh, nw + ne, num_sms(q.device))
     tps = cdiv(nw + ne, cfg.split)          # tiles per split (resolve_config: none empty)
@@ -512,8 +522,8 @@ def key_bytes(inp: dict) -> int:
 
 
 def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
-          kinds: Sequence[str] = ("csa", "hca", "sliding"), configs: Sequence[tuple[str, AttendConfig]] = (
-              ("default", DEFAULT_CONFIG),), torch_ref: bool = True, l2_miss_bytes: int = 192 << 20,
+          kinds: Sequence[str] = ("csa", "hca", "sliding"), configs: Sequence[tuple[str, AttendConfig | None]] = (
+              ("default", None),), torch_ref: bool = True, l2_miss_bytes: int = 192 << 20,
           max_copies: int = 256, quiet: bool = False) -> list[dict]:
     """The V4-Flash decode attention read (nh 64, d 512, bf16 storage, everything visible) per kind and batch:
     fused kernel(s) vs the compiled torch path (the ring gather `ring[slot]` of window_step + `attend`), each
@@ -576,26 +586,31 @@ def _sweep_name(c: AttendConfig) -> str:
 
 
 SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in (
-    AttendConfig(heads=16, block_k=32, num_warps=4, num_stages=2),
+    AttendConfig(heads=16, block_k=32, num_warps=4, num_stages=3),
     AttendConfig(heads=16, block_k=16, num_warps=4, num_stages=3),
     AttendConfig(heads=16, block_k=16, num_warps=4, num_stages=4),
     AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=3),
     AttendConfig(heads=32, block_k=32, num_warps=8, num_stages=3),
     AttendConfig(heads=32, block_k=16, num_warps=8, num_stages=4),
     AttendConfig(heads=64, block_k=16, num_warps=8, num_stages=3),
-    AttendConfig(waves=2.0), AttendConfig(waves=2.0, min_tiles=1), AttendConfig(waves=0.5, min_tiles=4)))
+    AttendConfig(waves=2.0), AttendConfig(waves=2.0, min_tiles=1), AttendConfig(waves=0.5, min_tiles=4),
+    # batch 1: more, shorter programs (the default gives a CSA layer 44 programs of 2 tiles)
+    AttendConfig(heads=16, block_k=16, waves=2.0, min_tiles=1), AttendConfig(heads=16, block_k=16, waves=4.0,
+                                                                            min_tiles=1),
+    AttendConfig(heads=16, block_k=32, num_stages=2, waves=2.0, min_tiles=1)))
 
 
-def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16)) -> None:
-    """Tilings around the default (fused only, CSA): which to make the default."""
-    for name, cfg in SWEEP:
+def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
+          kinds: Sequence[str] = ("csa",)) -> None:
+    """Tilings around the default (fused only): which to make the default."""
+    for name, cfg in (("default", None), *SWEEP):
         try:
-            rows = bench(device, batches=batches, kinds=("csa",), configs=((name, cfg),), torch_ref=False,
+            rows = bench(device, batches=batches, kinds=kinds, configs=((name, cfg),), torch_ref=False,
                          quiet=True)
         except Exception as e:  # noqa: BLE001 - e.g. triton's OutOfResources: report, go on
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
-        print(f"{name:14s} " + "  ".join(f"B={r['B']} {r['us']:7.2f} us {r['GB_s']:5.0f} GB/s" for r in rows),
+        print(f"{name:14s} " + "  ".join(f"{r['kind']} B={r['B']} {r['us']:7.2f} us" for r in rows),
               flush=True)
 
 
@@ -607,7 +622,8 @@ def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kind", nargs="+", default=["csa", "hca", "sliding"], choices=sorted(V4_SHAPES),
                    help="layer kinds (default all)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch reference timing")
-    p.add_argument("--sweep", action="store_true", help="also time the tilings of SWEEP (CSA, fused only)")
+    p.add_argument("--sweep", action="store_true", help="also time the tilings of SWEEP (the --kind layers, fused "
+                                                        "only)")
     p.add_argument("--sass", action="store_true", help="only build the kernel for sm_90 and report registers, "
                                                        "spills and SASS counts per SWEEP tiling (no GPU needed)")
     return p.parse_args(argv)
@@ -624,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     bench_start()
     bench(batches=args.batch, kinds=args.kind, torch_ref=not args.no_torch)
     if args.sweep:
-        sweep(batches=args.batch)
+        sweep(batches=args.batch, kinds=args.kind)
 
 
 if __name__ == "__main__":  # python -m moebox.ops.triton.decode_attention [--batch 1 4 16] [--sweep] [--sass]

@@ -17,12 +17,13 @@ hc_pre, X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (2
     from L1) and one 128-column K step per program, SPLIT = K / 128 = 128 programs, so all of fn is requested
     at once by ~one program per SM (fn is what a decode call must stream). Prefill: 64-token tiles, SPLIT just
     enough for ~one wave.
-  Kernel A for N <= GEMV_MAX_N (4), `_mix_logits_gemv_kernel`: the same partials on the CUDA cores, no tl.dot.
-    A 16-token dot tile is mostly padding there (15/16 of it at N = 1) and the fp32 "ieee" dot pays layout
-    conversions besides (~6.7 us a call at N = 1 on the H200 for ~1.6 MB read). Program (b, s) multiplies x
-    [BLOCK_N, 1, BLOCK_K] (BLOCK_N = next_pow2(N)) by fn [1, M_PAD, BLOCK_K] in fp32 and sums over K; same grid,
-    K steps and ws layout (M_PAD = next power of 2 > M, without the dot's minimum of 16). MOEBOX_MHC_GEMV=0
-    keeps the dot kernel at every N (to A/B the two).
+  Kernel A for N <= GEMV_MAX_N (16: all of decode), `_mix_logits_gemv_kernel`: the same partials on the CUDA
+    cores, no tl.dot. A 16-token dot tile is mostly padding at small N (15/16 of it at N = 1) and the fp32
+    "ieee" dot pays layout conversions besides (11.6 us an hc_pre at N = 1 on the H200, 7.1 with the gemv).
+    Program (b, s) multiplies x [BLOCK_N, 1, BLOCK_K] (BLOCK_N = next_pow2(N), at most 4: a token tile's
+    registers) by fn [1, M_PAD, BLOCK_K] in fp32 and sums over K; same grid, K steps and ws layout (M_PAD =
+    next power of 2 > M, without the dot's minimum of 16); above 4 tokens the tiles re-read fn from L2.
+    MOEBOX_MHC_GEMV=N takes the gemv up to N tokens (0: the dot kernel at every N, to A/B the two).
   Kernel B, `_mix_kernel` (grid (N, 1 + H / BLOCK_H)): every program sums its token's SPLIT partials in a fixed
     order (deterministic) and gets rs = rsqrt(sumsq / K + norm_eps) and the logits it needs. Program 0 of a
     token computes post = 2 sigmoid(.) and comb (softmax over k + eps, 1 column and iters-1 (row, column)
@@ -104,9 +105,10 @@ class PostConfig:
 
 
 MAX_SPLIT = 256  # kernel B loads all partials of a token as one [next_pow2(split), ...] tile
-# Decode batches up to this take the gemv logits kernel (unless MOEBOX_MHC_GEMV=0): its work and registers grow
-# with the tokens of a program, while the dot's 16-token tile costs the same at any N <= 16.
-GEMV_MAX_N = 4
+# Decode batches up to this take the gemv logits kernel (MOEBOX_MHC_GEMV sets another bound, 0 none), in tiles of
+# up to GEMV_TILE_N tokens (a tile's registers: 144 at 4 tokens in the sm_90 build, no spills).
+GEMV_MAX_N = 16
+GEMV_TILE_N = 4
 
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
@@ -119,14 +121,15 @@ def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> i
 
 
 def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
-    """The default hc_pre/hc_head tiling (split resolved): N <= GEMV_MAX_N the gemv logits kernel (unless
-    MOEBOX_MHC_GEMV=0) with all tokens in one program; other decode (N <= 16) one 16-token dot tile; both one
-    K step per program. Prefill 64-token tiles with >= 8 K steps per program, ~one wave of programs."""
-    if n <= GEMV_MAX_N and os.environ.get("MOEBOX_MHC_GEMV", "1") != "0":
+    """The default hc_pre/hc_head tiling (split resolved): N <= GEMV_MAX_N (or MOEBOX_MHC_GEMV) the gemv logits
+    kernel, tiles of up to GEMV_TILE_N tokens; other decode (N <= 16) one 16-token dot tile; both one K step
+    per program. Prefill 64-token tiles with >= 8 K steps per program, ~one wave of programs."""
+    if n <= int(os.environ.get("MOEBOX_MHC_GEMV", GEMV_MAX_N)):
         # BLOCK_K 128, 4 warps: a warp's lanes span the K step with one 16-byte fp32 vector each and the warps
         # split fn's rows, so a thread issues one 16-byte load per row it covers (M_PAD / 4), all at once, and
         # the sum over K stays inside a warp (shuffles, no shared memory); SPLIT 128 at V4's K = 16384
-        cfg = HcConfig(block_n=next_pow2(n), block_k=128, num_warps=4, num_stages=1, logits_kernel="gemv")
+        cfg = HcConfig(block_n=min(GEMV_TILE_N, next_pow2(n)), block_k=128, num_warps=4, num_stages=1,
+                       logits_kernel="gemv")
     elif n <= 16:
         cfg = HcConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
     else:
@@ -527,7 +530,7 @@ def _sweep_row(device: str | torch.device, cfg: HcConfig, tokens: Sequence[int])
 
 def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16)) -> None:
     """hc_pre decode tilings around the default (fused only): which to make the default. The dot logits kernel
-    at every N, then the gemv one at each N <= GEMV_MAX_N with BLOCK_N = next_pow2(N), as pick_config sets it."""
+    at every N, then the gemv one at each N <= GEMV_MAX_N with BLOCK_N as pick_config sets it."""
     for block_k in (64, 128, 256):
         for warps in (2, 4, 8):
             for mix_warps in (2, 4, 8):
@@ -535,7 +538,8 @@ def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
     for n in (t for t in tokens if t <= GEMV_MAX_N):
         for block_k in (64, 128, 256):
             for warps in (1, 2, 4, 8):
-                _sweep_row(device, HcConfig(next_pow2(n), block_k, 0, warps, 1, logits_kernel="gemv"), (n,))
+                _sweep_row(device, HcConfig(min(GEMV_TILE_N, next_pow2(n)), block_k, 0, warps, 1,
+                                            logits_kernel="gemv"), (n,))
 
 
 if __name__ == "__main__":  # python -m moebox.ops.triton.mhc [--sweep]
