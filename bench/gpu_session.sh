@@ -24,6 +24,8 @@
 #   bash bench/gpu_session.sh fp8sweep  # the FP8 decode GEMV's tilings on the V4-Flash shapes (prints TUNED_DECODE)
 #   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post, hc_head against the torch references)
 #   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
+#   bash bench/gpu_session.sh index     # the indexer's score kernel against the torch function, then decode at 4K
+#                                       # and 64K with it off / on (MOEBOX_INDEX_KERNEL)
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
 #   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
 #   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in
@@ -31,7 +33,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|index|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -57,7 +59,7 @@ tests)
         ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
-        tests/test_triton_rms_norm.py \
+        tests/test_triton_rms_norm.py tests/test_triton_index_scores.py \
         tests/test_cuda.py}
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
@@ -71,6 +73,13 @@ mhc)
     ;;
 topk)
     step topk-bench python3 -m moebox.ops.triton.topk
+    ;;
+index)
+    step index-bench python3 -m moebox.ops.triton.index_scores
+    for flag in 0 1; do
+        step "decode-index$flag" env MOEBOX_INDEX_KERNEL=$flag python3 -m moebox.bench.decode decode \
+            --context 4096 65536 --batch 1 8 16 --no-breakdown
+    done
     ;;
 ncu)                          # hardware counters: DRAM throughput, stall reasons, occupancy of each launch
     step ncu env MOEBOX_PDL=0 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-mma_kernel|fp8_gemv}" \

@@ -89,8 +89,11 @@ def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: t
     """The lightning indexer: (entry rows [B, k], valid [B, k]) of the top-k scores. The top-k and the gather
     of `valid` are one Triton kernel (ops/triton/topk.py) for rows up to 16385 entries (64K tokens of context;
     6.4 against torch's 16.4 us a call at 4K on the H200, 29 against 78 at 64K), torch.topk for longer ones
-    (not measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length."""
-    scores = index_scores(qi, wi, scale, index_keys, slot, valid)
+    (not measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length. The
+    scores are one Triton kernel with MOEBOX_INDEX_KERNEL=1 (ops/triton/index_scores.py; experimental, off)."""
+    from moebox.ops.triton.index_scores import index_scores_decode
+    scores = index_scores_decode(qi, wi, scale, index_keys, slot, valid,
+                                 lambda: index_scores(qi, wi, scale, index_keys, slot, valid))
     k = min(topk, scores.shape[1])
     from moebox.ops.triton import topk as kernel
     if kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL", default=scores.shape[1] <= kernel.DEFAULT_MAX_ENTRIES):
