@@ -24,6 +24,7 @@
 #   bash bench/gpu_session.sh fp8sweep  # the FP8 decode GEMV's tilings on the V4-Flash shapes (prints TUNED_DECODE)
 #   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post, hc_head against the torch references)
 #   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
+#   bash bench/gpu_session.sh attnsweep # the decode attention's tilings at batch 8 and 16 (CSA, HCA)
 #   bash bench/gpu_session.sh index     # the indexer's score kernel against the torch function, then decode at 4K
 #                                       # and 64K with it off / on (MOEBOX_INDEX_KERNEL)
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
@@ -33,7 +34,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|index|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -73,6 +74,9 @@ mhc)
     ;;
 topk)
     step topk-bench python3 -m moebox.ops.triton.topk
+    ;;
+attnsweep)
+    step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch 8 16 --kind csa hca --no-torch --sweep
     ;;
 index)
     step index-bench python3 -m moebox.ops.triton.index_scores

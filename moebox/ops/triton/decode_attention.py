@@ -597,7 +597,10 @@ SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in
     # batch 1: more, shorter programs (the default gives a CSA layer 44 programs of 2 tiles)
     AttendConfig(heads=16, block_k=16, waves=2.0, min_tiles=1), AttendConfig(heads=16, block_k=16, waves=4.0,
                                                                             min_tiles=1),
-    AttendConfig(heads=16, block_k=32, num_stages=2, waves=2.0, min_tiles=1)))
+    AttendConfig(heads=16, block_k=32, num_stages=2, waves=2.0, min_tiles=1),
+    # batch 8-16 (not yet swept there): longer tiles, fewer loop trips; more warps a program
+    AttendConfig(heads=16, block_k=64, num_warps=8, num_stages=2),
+    AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2)))
 
 
 def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
