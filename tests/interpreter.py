@@ -54,3 +54,18 @@ def tiny_model():
     cfg = parse_config(preset_config("tiny"))
     return cfg, DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).pop, qat=False, dtype=torch.float32,
                            load_mtp=False)
+
+
+def tiny_decode_logits(model, cfg, steps: int, cache_len: int = 64):
+    """The tiny model's logits [steps, 2, vocab] over `steps` (<= 26) decode steps of two sequences (after
+    prefilling 20 and 3 tokens) on a fresh cache: the run an interpreter script repeats with its kernel switched
+    on and off."""
+    import torch
+
+    from moebox.model.batch import DecodeBatch, FlatBatch
+    ids = torch.randint(2, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = model.new_cache(3, cache_len, "cpu")
+    model.forward(FlatBatch.build([(1, 0, ids[:20]), (2, 0, ids[30:33])], "cpu"), cache)
+    t = torch.tensor
+    return torch.stack([model.forward(DecodeBatch(t([ids[20 + i], ids[33 + i]]), t([20 + i, 3 + i]), t([1, 2])),
+                                      cache).logits for i in range(steps)])

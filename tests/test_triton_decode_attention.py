@@ -400,26 +400,16 @@ def test_gpu_deterministic_and_cuda_graph_replay() -> None:
 _MODEL_CHECK = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, sys.argv[1])
-    import torch
-    from moebox.model.batch import DecodeBatch, FlatBatch
-    from tests.interpreter import count_calls, tiny_model
+    from tests.interpreter import count_calls, tiny_decode_logits, tiny_model
     cfg, model = tiny_model()
-    ids = torch.randint(2, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(1)).tolist()
     import moebox.ops.triton.decode_attention as da
     kernel_calls = count_calls(da, "attend_triton")      # counts the kernel's launches
     os.environ["MOEBOX_PREFILL_ATTENTION_KERNEL"] = "0"   # count the decode steps' launches only
     os.environ["MOEBOX_TOPK_KERNEL"] = "0"               # only the attention read differs (top-k: its own check)
     runs = {}
-    for flag in ("1", "0"):
+    for flag in ("1", "0"):                              # two sequences, past entries of both ratios
         os.environ["MOEBOX_ATTENTION_KERNEL"] = flag
-        cache = model.new_cache(3, 96, "cpu")
-        model.forward(FlatBatch.build([(1, 0, ids[:20]), (2, 0, ids[30:33])], "cpu"), cache)
-        rows = []
-        for i in range(14):                          # two sequences, past entries of both ratios
-            t = torch.tensor
-            batch = DecodeBatch(t([ids[20 + i], ids[33 + i]]), t([20 + i, 3 + i]), t([1, 2]))
-            rows.append(model.forward(batch, cache).logits)
-        runs[flag] = torch.stack(rows)
+        runs[flag] = tiny_decode_logits(model, cfg, 14, cache_len=96)
     got, ref = runs["1"], runs["0"]
     assert len(kernel_calls) == 14 * cfg.num_layers, len(kernel_calls)
     rel = ((got - ref).norm() / ref.norm()).item()

@@ -102,20 +102,14 @@ _SCRIPT = textwrap.dedent("""
                                 ref_norm=1.0))
 
     # the tiny model's decode steps: the kernel's rows against torch's (same logits: no ties in these scores)
-    from moebox.model.batch import DecodeBatch, FlatBatch
-    from tests.interpreter import count_calls, tiny_model
+    from tests.interpreter import count_calls, tiny_decode_logits, tiny_model
     calls = count_calls(topk, "index_topk_triton")
     os.environ.update(MOEBOX_ATTENTION_KERNEL="0", MOEBOX_COMPRESS_KERNEL="0", MOEBOX_PREFILL_ATTENTION_KERNEL="0")
     cfg, model = tiny_model()
-    ids = torch.randint(2, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     runs = {}
     for flag in ("1", "0"):
         os.environ["MOEBOX_TOPK_KERNEL"] = flag
-        cache = model.new_cache(3, 64, "cpu")
-        model.forward(FlatBatch.build([(1, 0, ids[:20]), (2, 0, ids[30:33])], "cpu"), cache)
-        t = torch.tensor
-        runs[flag] = torch.stack([model.forward(DecodeBatch(t([ids[20 + i], ids[33 + i]]), t([20 + i, 3 + i]),
-                                                            t([1, 2])), cache).logits for i in range(12)])
+        runs[flag] = tiny_decode_logits(model, cfg, 12)
     csa = sum(1 for r, kind in zip(cfg.compress_ratios, cfg.attn_types) if kind == "csa")
     assert csa and len(calls) == 12 * csa, (len(calls), csa)
     got, ref = runs["1"], runs["0"]
