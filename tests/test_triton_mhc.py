@@ -94,6 +94,9 @@ def test_pick_config_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_config(HcConfig(logits_kernel="tc"), 1, 4, 4096)
     monkeypatch.setenv("MOEBOX_MHC_GEMV", "4")                # the A/B switch: the gemv up to 4 tokens
     assert [pick_config(n, 4, 4096).logits_kernel for n in (4, 5, 16)] == ["gemv", "dot", "dot"]
+    monkeypatch.setenv("MOEBOX_MHC_GEMV", "four")
+    with pytest.raises(ValueError, match="MOEBOX_MHC_GEMV"):
+        pick_config(1, 4, 4096)
     monkeypatch.setenv("MOEBOX_MHC_GEMV", "0")                # the dot kernel at every N
     assert all(pick_config(n, 4, 4096).logits_kernel == "dot" for n in (1, 3, 4))
     assert pick_config(1, 4, 4096) == pick_config(16, 4, 4096)

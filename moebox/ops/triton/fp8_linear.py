@@ -190,7 +190,7 @@ GEMV_MAX_N = 8
 # its tokens per program, a dot's does not shrink with N). split_k 0 = automatic.
 # `--sweep` prints these lines.
 # From `python3 -m moebox.ops.triton.fp8_linear --sweep`, 2026-11-30 (twelfth session; the N = 2 entries from the
-# thirteenth's `--sweep --tokens 2`, 1.04-1.3x the GEMV heuristic's pick: docs/benchmarks.md). From
+# thirteenth's `--sweep --tokens 2`, up to 1.3x the GEMV heuristic's pick: docs/benchmarks.md). From
 # N = 4 or 8 up the dot path in fp16 wins (1.6-1.8x the bf16 dot at N = 16): bf16 x is converted to fp16 in the
 # kernel, so these products assume |x| < 65504 (normed or clamped activations, attention and its latents).
 TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {

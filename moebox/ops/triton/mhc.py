@@ -120,11 +120,21 @@ def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> i
     return min(block_h, next_pow2(hidden))
 
 
+def _gemv_max_n() -> int:
+    """The largest batch that takes the gemv logits kernel: MOEBOX_MHC_GEMV (0: none), else GEMV_MAX_N."""
+    value = os.environ.get("MOEBOX_MHC_GEMV", str(GEMV_MAX_N))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"MOEBOX_MHC_GEMV must be a token count (0: the dot kernel at every N), got {value!r}") \
+            from None
+
+
 def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
     """The default hc_pre/hc_head tiling (split resolved): N <= GEMV_MAX_N (or MOEBOX_MHC_GEMV) the gemv logits
     kernel, tiles of up to GEMV_TILE_N tokens; other decode (N <= 16) one 16-token dot tile; both one K step
     per program. Prefill 64-token tiles with >= 8 K steps per program, ~one wave of programs."""
-    if n <= int(os.environ.get("MOEBOX_MHC_GEMV", GEMV_MAX_N)):
+    if n <= _gemv_max_n():
         # BLOCK_K 128, 4 warps: a warp's lanes span the K step with one 16-byte fp32 vector each and the warps
         # split fn's rows, so a thread issues one 16-byte load per row it covers (M_PAD / 4), all at once, and
         # the sum over K stays inside a warp (shuffles, no shared memory); SPLIT 128 at V4's K = 16384
