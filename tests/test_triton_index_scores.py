@@ -99,7 +99,10 @@ def test_index_scores_kernel_in_the_interpreter() -> None:
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_what_the_kernel_refuses_and_the_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moebox.ops.triton.index_scores import index_scores_decode, index_scores_triton, supported
+    import moebox.ops.triton.index_scores as kernel
+    from moebox.model.decode_attention import index_select
+    from moebox.ops.triton.index_scores import index_scores_triton, supported
+    from tests.interpreter import count_calls
     inp = case(2, 4, 32, 20, 3, torch.float32, seed=0)
     args = [inp[k] for k in ("qi", "wi", "index_keys", "slot", "valid")]
     assert supported(*args)
@@ -110,15 +113,14 @@ def test_what_the_kernel_refuses_and_the_dispatch(monkeypatch: pytest.MonkeyPatc
         assert not supported(*[changed[k] for k in ("qi", "wi", "index_keys", "slot", "valid")]), change
     with pytest.raises(ValueError):
         index_scores_triton(**{**inp, "index_keys": inp["index_keys"].half()})
-    sentinel = torch.zeros(1)
+    calls = count_calls(kernel, "index_scores_triton")
     for flag in (None, "0", "1"):       # off by default; on CPU outside the interpreter the kernel never runs
         if flag is None:
             monkeypatch.delenv("MOEBOX_INDEX_KERNEL", raising=False)
         else:
             monkeypatch.setenv("MOEBOX_INDEX_KERNEL", flag)
-        assert index_scores_decode(inp["qi"], inp["wi"], inp["scale"], inp["index_keys"], inp["slot"], inp["valid"],
-                                   lambda: sentinel) is sentinel
-
+        rows, _ = index_select(inp["qi"], inp["wi"], inp["scale"], inp["index_keys"], inp["slot"], inp["valid"], 4)
+        assert rows.shape == (2, 4) and not calls, flag
 
 @pytest.mark.gpu
 @needs_cuda

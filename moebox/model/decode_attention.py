@@ -91,9 +91,14 @@ def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: t
     6.4 against torch's 16.4 us a call at 4K on the H200, 29 against 78 at 64K), torch.topk for longer ones
     (not measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length. The
     scores are one Triton kernel with MOEBOX_INDEX_KERNEL=1 (ops/triton/index_scores.py; experimental, off)."""
-    from moebox.ops.triton.index_scores import index_scores_decode
-    scores = index_scores_decode(qi, wi, scale, index_keys, slot, valid,
-                                 lambda: index_scores(qi, wi, scale, index_keys, slot, valid))
+    from moebox.ops.triton import index_scores as scorer
+    if kernel_switched_on(qi, "MOEBOX_INDEX_KERNEL", default=False) and scorer.supported(qi, wi, index_keys, slot,
+                                                                                          valid):
+        scores = kernel_or_fallback("indexer scores", "MOEBOX_INDEX_KERNEL",
+                                    lambda: scorer.index_scores_triton(qi, wi, scale, index_keys, slot, valid),
+                                    lambda: index_scores(qi, wi, scale, index_keys, slot, valid))
+    else:
+        scores = index_scores(qi, wi, scale, index_keys, slot, valid)
     k = min(topk, scores.shape[1])
     from moebox.ops.triton import topk as kernel
     if kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL", default=scores.shape[1] <= kernel.DEFAULT_MAX_ENTRIES):

@@ -21,18 +21,16 @@ MMA's smallest tile) with masks.
 Bounds (`supported`): qi [B, H, dI] bf16/fp16/fp32 with unit stride on dI, wi [B, H] float, index_keys a plain
 [S, E, dI] tensor of qi's dtype with unit stride on dI (not the FP8 cache's row objects), slot [B] int32/int64,
 valid [B, E] bool, H <= 128, dI <= 256; CUDA tensors, or CPU ones under TRITON_INTERPRET=1 (fp32/fp16: the
-interpreter's bf16 dot is wrong). Anything else takes the torch function. CUDA graphs: the output from
-torch.empty, one launch, no host sync.
+interpreter's bf16 dot is wrong). `moebox.model.decode_attention.index_select` takes the kernel with
+MOEBOX_INDEX_KERNEL=1 where `supported` says so, else (or where it fails to build) the torch function.
+CUDA graphs: the output from torch.empty, one launch, no host sync.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, cdiv, kernel_or_fallback, kernel_switched_on, next_pow2,
-                                       pdl_args, pdl_start, plain_tensor, tl, triton)
+from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, next_pow2, pdl_args, pdl_start, plain_tensor, tl, triton
 
 BLOCK_E = 64   # entries a program: 16 programs a sequence at 4K context, 256 at 64K
 
@@ -100,17 +98,6 @@ def index_scores_triton(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_
         out.stride(0), H_PAD=max(16, next_pow2(h)), D_PAD=max(16, next_pow2(d)), BLOCK_E=BLOCK_E, num_warps=4,
         **pdl_args(qi))
     return out
-
-
-def index_scores_decode(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor,
-                        slot: torch.Tensor, valid: torch.Tensor,
-                        reference: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The dispatch the model uses: the kernel with MOEBOX_INDEX_KERNEL=1 where `supported` (and where it
-    builds), else `reference()` (the compiled torch function)."""
-    if kernel_switched_on(qi, "MOEBOX_INDEX_KERNEL", default=False) and supported(qi, wi, index_keys, slot, valid):
-        return kernel_or_fallback("indexer scores", "MOEBOX_INDEX_KERNEL",
-                                  lambda: index_scores_triton(qi, wi, scale, index_keys, slot, valid), reference)
-    return reference()
 
 
 # ----------------------------------------------------------------------------------------------- bench

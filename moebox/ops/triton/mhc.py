@@ -164,6 +164,14 @@ def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) 
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
     @triton.jit
+    def _store_partials(ws_ptr, acc, sq, offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD: tl.constexpr):
+        """Kernel A's output, whichever computed it: token n's partial logits of split s at ws[n, s, :M] and its
+        sum of squares sq [BN, 1] in column M; tokens past N are not stored."""
+        acc = tl.where(offs_m[None, :] == M, sq, acc)
+        ws = ws_ptr + (offs_n.to(tl.int64)[:, None] * SPLIT + pid_s) * M_PAD + offs_m[None, :]
+        tl.store(ws, acc, mask=(offs_n < N)[:, None])
+
+    @triton.jit
     def _mix_logits_kernel(x_ptr, fn_ptr, ws_ptr, N, K, M, K_PER_SPLIT, SPLIT, stride_xn, stride_fm,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr):
         """ws[n, s, :M] = X_flat[n, Ks] @ fn[:, Ks]^T, ws[n, s, M] = sum(X_flat[n, Ks]^2) for the K range Ks."""
@@ -187,9 +195,7 @@ if HAVE_TRITON:
             w = tl.load(fn_cols + kk[:, None], mask=mk[:, None], other=0.0).to(tl.float32)
             acc = tl.dot(x, w, acc, input_precision="ieee")
             sq += tl.sum(x * x, axis=1)
-        acc = tl.where(offs_m[None, :] == M, sq[:, None], acc)
-        ws = ws_ptr + (offs_n.to(tl.int64)[:, None] * SPLIT + pid_s) * M_PAD + offs_m[None, :]
-        tl.store(ws, acc, mask=(offs_n < N)[:, None])
+        _store_partials(ws_ptr, acc, sq[:, None], offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD)
 
     @triton.jit
     def _mix_logits_gemv_kernel(x_ptr, fn_ptr, ws_ptr, N, K, M, K_PER_SPLIT, SPLIT, stride_xn, stride_fm,
@@ -218,9 +224,7 @@ if HAVE_TRITON:
             w = tl.load(fn_rows + kk, mask=mm & mk, other=0.0).to(tl.float32)
             acc += tl.sum(x * w, axis=2)
             sq += tl.sum(x * x, axis=2)
-        acc = tl.where(offs_m[None, :] == M, sq, acc)
-        ws = ws_ptr + (offs_n.to(tl.int64)[:, None] * SPLIT + pid_s) * M_PAD + offs_m[None, :]
-        tl.store(ws, acc, mask=(offs_n < N)[:, None])
+        _store_partials(ws_ptr, acc, sq, offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD)
 
     @triton.jit
     def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
