@@ -114,7 +114,7 @@ def test_what_the_kernel_refuses_and_the_dispatch(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValueError):
         index_scores_triton(**{**inp, "index_keys": inp["index_keys"].half()})
     calls = count_calls(kernel, "index_scores_triton")
-    for flag in (None, "0", "1"):       # off by default; on CPU outside the interpreter the kernel never runs
+    for flag in (None, "0", "1"):       # on CPU outside the interpreter the kernel never runs, on or off
         if flag is None:
             monkeypatch.delenv("MOEBOX_INDEX_KERNEL", raising=False)
         else:

@@ -51,7 +51,8 @@ Default (V4-Flash, bf16): 16 heads x 32 keys a tile, 4 warps, 3 stages (built fo
 registers, 2 programs an SM, no spills, 82 KB shared memory, HMMA for all three dots, cp.async key tiles);
 decode batches (`DECODE_CONFIG`) take 2 stages: the thirteenth session's `--sweep` on the H200 (batch 1 and 4,
 docs/benchmarks.md) found 2 stages faster than 3 for every kind (CSA 15.84 -> 14.44 us, HCA 13.23 -> 11.84 at
-batch 1) and no other tiling faster on CSA and HCA. At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is 11 / 7 / 3
+batch 1) and no other tiling faster on CSA and HCA; batches of 5-8 also take twice the programs
+(`DECODE_CONFIG_8`, the fourteenth session's sweep at batch 8). At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is 11 / 7 / 3
 splits = 44 / 112 / 192 programs.
 
 Bounds (`supported`): q [B, nh, d] fp32/bf16/fp16 with d % 16 == 0 and 16 <= d <= 1024 (padded to a power of
@@ -113,6 +114,9 @@ DEFAULT_CONFIG = AttendConfig()
 # decode batches (<= 16 sequences): 2 stages, the sweep's pick for batch 1 and 4 (see the module doc); prefill
 # (one "sequence" a token, 2K-16K of them) keeps 3, which its benches were taken with
 DECODE_CONFIG = replace(DEFAULT_CONFIG, num_stages=2)
+# batch 5-8: twice the programs, splits down to one tile (the fourteenth session's sweep at batch 8: CSA 23.9 ->
+# 19.9 us, HCA 20.9 -> 17.7; at batch 16 it lost on CSA, 30.3 -> 33.7)
+DECODE_CONFIG_8 = replace(DECODE_CONFIG, waves=2.0, min_tiles=1)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -137,7 +141,10 @@ def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int 
 
 
 def default_config(batch: int) -> AttendConfig:
-    """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16, else `DEFAULT_CONFIG`."""
+    """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16 (`DECODE_CONFIG_8` from 5
+    to 8), else `DEFAULT_CONFIG`."""
+    if 4 < batch <= 8:
+        return DECODE_CONFIG_8
     return DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
 
 
