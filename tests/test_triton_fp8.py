@@ -130,12 +130,14 @@ def test_sweep_variants_are_valid() -> None:
             assert len(set(vs)) == len(vs) >= 4
             for cfg in vs:
                 fp8_mod._check_config(cfg)
-                assert cfg.kernel == "dot" or cfg.block_o * cfg.block_k <= 128 * 32 * cfg.num_warps
+                assert cfg.kernel != "gemv" or cfg.block_o * cfg.block_k <= 128 * 32 * cfg.num_warps
 
 
 def test_config_checks() -> None:
-    for bad in (Fp8Config(kernel="mma"), Fp8Config(kernel="gemv", block_k=192), Fp8Config(block_k=256),
-                Fp8Config(block_o=24, kernel="gemv")):
+    for bad in (Fp8Config(kernel="wmma"), Fp8Config(kernel="gemv", block_k=192), Fp8Config(block_k=256),
+                Fp8Config(block_o=24, kernel="gemv"), Fp8Config(kernel="mma"),   # 32 rows for 4 warps
+                Fp8Config(kernel="mma", block_o=256, num_warps=4), Fp8Config(kernel="mma", block_o=64, num_warps=4,
+                                                                              num_stages=3)):
         with pytest.raises(ValueError):
             fp8_mod._check_config(bad)
     assert "gemv 4x8x1024 w4 s3" in Fp8Config(4, 8, 0, 4, 3, kernel="gemv", block_k=1024).label
@@ -367,11 +369,11 @@ def test_gpu_gemv_forced_tilings(config: Fp8Config) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_tuned_decode_entries(key: tuple[int, int]) -> None:
-    """Every TUNED_DECODE entry, as pick_config takes it at its largest N and the N below it (rows past N
-    clamped), against the fp32 reference with bf16 x (the fp16 dots convert x in the kernel)."""
+    """Every TUNED_DECODE entry, as pick_config takes it at its largest N and its smallest (max N / 2 + 1; rows
+    past N clamped), against the fp32 reference with bf16 x (the fp16 dots and mma convert x in the kernel)."""
     w = _gpu_weight(*key)
     for max_n, cfg in fp8_mod.TUNED_DECODE[key]:
-        for n in sorted({max_n, max(1, max_n - 1)}):
+        for n in sorted({max_n, max_n // 2 + 1}):
             assert pick_config(n, *key).kernel == cfg.kernel
             _check_gpu(w, n, torch.bfloat16)
 

@@ -135,6 +135,7 @@ import torch.nn.functional as F
 
 from moebox.weights.formats import QuantTensor
 
+from moebox.ops.triton.fp8_mma import launch_mma, mma_takes
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, each_copy, graph_us, interpreting,  # noqa: F401
                                        next_pow2, num_sms, pdl_args, pdl_start, tl, triton)
 
@@ -159,6 +160,9 @@ class Fp8Config:
     """Tiling. kernel "dot": BLOCK_N tokens x BLOCK_O output rows per program with tl.dot, K step 128,
     num_stages the pipeliner's depth. kernel "gemv": BLOCK_N tokens x BLOCK_O rows per program on the CUDA
     cores, K step block_k (a multiple of 128), num_stages its cp.async ring depth (1 = plain loads).
+    kernel "mma" (`moebox.ops.triton.fp8_mma`, N <= 16): BLOCK_O rows per program (16-row mma tiles, a divisor
+    of 128) over num_warps warps, all tokens, K step 128; num_stages 2 loads the next step's weights before
+    this step's math, 1 does not.
     split_k: programs sharing the K range of a tile (0 = pick from the grid size). Dot path only:
     split_dtype, the dot dtype of fp32 x's two terms; bf16_as_fp16, convert bf16 x to fp16 and dot in fp16."""
 
@@ -175,6 +179,8 @@ class Fp8Config:
     @property
     def label(self) -> str:
         """Short name for tables: kernel, tokens x rows (x K step) per program, warps, stages, split."""
+        if self.kernel == "mma":
+            return f"mma {self.block_o} w{self.num_warps} s{self.num_stages} split{self.split_k or 'A'}"
         k = f"x{self.block_k}" if self.kernel == "gemv" else ""
         fp16 = " fp16" if self.bf16_as_fp16 else ""
         return (f"{self.kernel} {self.block_n}x{self.block_o}{k} w{self.num_warps} s{self.num_stages} "
@@ -203,44 +209,44 @@ TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {
     ),
     (32768, 1024): (  # wq_b
         (1, Fp8Config(block_n=1, block_o=16, num_stages=1, kernel='gemv', block_k=512)),
-        (2, Fp8Config(block_n=2, num_stages=3, kernel='gemv', block_k=256)),
-        (4, Fp8Config(block_n=4, num_stages=3, kernel='gemv', block_k=256)),
-        (8, Fp8Config(block_o=64, bf16_as_fp16=True)),
+        (2, Fp8Config(block_o=64, num_stages=2, kernel='mma')),
+        (4, Fp8Config(block_o=64, num_stages=2, kernel='mma')),
+        (8, Fp8Config(block_o=64, num_stages=2, kernel='mma')),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (40960, 1024): (  # wq_b+idx_wq_b
         (1, Fp8Config(block_n=1, block_o=16, num_stages=1, kernel='gemv', block_k=512)),
-        (2, Fp8Config(block_n=2, num_stages=3, kernel='gemv', block_k=256)),
-        (4, Fp8Config(block_n=4, num_stages=3, kernel='gemv', block_k=256)),
-        (8, Fp8Config(block_o=64, num_warps=8, bf16_as_fp16=True)),
+        (2, Fp8Config(block_o=128, num_warps=8, num_stages=2, kernel='mma')),
+        (4, Fp8Config(block_o=128, num_warps=8, num_stages=2, kernel='mma')),
+        (8, Fp8Config(block_o=128, num_warps=2, num_stages=2, kernel='mma')),
         (16, Fp8Config(block_o=64, bf16_as_fp16=True)),
     ),
     (8192, 4096): (  # wo_a
         (1, Fp8Config(block_n=1, block_o=16, kernel='gemv', block_k=512)),
         (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=1024)),
-        (4, Fp8Config(bf16_as_fp16=True)),
-        (8, Fp8Config(bf16_as_fp16=True)),
+        (4, Fp8Config(block_o=128, num_warps=8, num_stages=2, kernel='mma')),
+        (8, Fp8Config(block_o=128, num_warps=8, num_stages=2, kernel='mma')),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (4096, 8192): (  # wo_b
         (1, Fp8Config(block_n=1, block_o=8, num_stages=3, kernel='gemv', block_k=1024)),
         (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=512)),
-        (4, Fp8Config(block_o=64, bf16_as_fp16=True)),
-        (8, Fp8Config(bf16_as_fp16=True)),
+        (4, Fp8Config(block_o=128, num_warps=8, num_stages=2, kernel='mma')),
+        (8, Fp8Config(block_o=64, split_k=10, num_stages=2, kernel='mma')),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (4096, 4096): (  # shared_w1+w3
         (1, Fp8Config(block_n=1, block_o=8, num_stages=3, kernel='gemv', block_k=1024)),
         (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=512)),
-        (4, Fp8Config(bf16_as_fp16=True)),
-        (8, Fp8Config(bf16_as_fp16=True)),
+        (4, Fp8Config(block_o=64, split_k=10, num_stages=2, kernel='mma')),
+        (8, Fp8Config(block_o=64, split_k=10, num_stages=2, kernel='mma')),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (4096, 2048): (  # shared_w2
         (1, Fp8Config(block_n=1, block_o=8, num_stages=1, kernel='gemv', block_k=2048)),
         (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=512)),
-        (4, Fp8Config(block_n=4, block_o=4, num_stages=1, kernel='gemv', block_k=2048)),
-        (8, Fp8Config(bf16_as_fp16=True)),
+        (4, Fp8Config(block_o=64, split_k=8, num_stages=2, kernel='mma')),
+        (8, Fp8Config(block_o=128, num_warps=8, num_stages=2, kernel='mma')),
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
 }
@@ -293,6 +299,11 @@ def resolve_split(cfg: Fp8Config, n: int, out_features: int, in_features: int, s
         steps = -(-in_features // cfg.block_k)
         split = 1 if tiles >= sms else min(steps, -(-2 * sms // tiles))
         return replace(cfg, split_k=_even_split(steps, split))
+    if cfg.kernel == "mma":   # all tokens in one program; splits of >= 2 K blocks up to ~2 programs an SM
+        tiles = -(-out_features // cfg.block_o)
+        steps = -(-in_features // BLOCK)
+        split = 1 if tiles >= 2 * sms else min(max(1, steps // 2), -(-2 * sms // tiles))
+        return replace(cfg, split_k=_even_split(steps, split))
     kb = -(-in_features // BLOCK)
     target, min_steps = (4 * sms, 4) if n <= 16 else (sms, 8)
     split = max(1, min(-(-target // tiles), kb // min_steps))
@@ -306,8 +317,12 @@ def _even_split(steps: int, split: int) -> int:
 
 
 def _check_config(cfg: Fp8Config) -> None:
-    if cfg.kernel not in ("dot", "gemv"):
-        raise ValueError(f"Fp8Config.kernel must be 'dot' or 'gemv', got {cfg.kernel!r}")
+    if cfg.kernel not in ("dot", "gemv", "mma"):
+        raise ValueError(f"Fp8Config.kernel must be 'dot', 'gemv' or 'mma', got {cfg.kernel!r}")
+    if cfg.kernel == "mma" and (cfg.block_o % (16 * cfg.num_warps) or BLOCK % cfg.block_o
+                                or cfg.num_stages not in (1, 2)):
+        raise ValueError(f"an mma config takes 16-row tiles per warp in a divisor of {BLOCK} rows and 1 or 2 "
+                         f"stages: {cfg}")
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_o, cfg.block_k))
     if not pow2 or cfg.block_k < BLOCK:
         raise ValueError(f"block sizes must be powers of 2 and block_k >= {BLOCK}: {cfg}")
@@ -553,6 +568,8 @@ def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: i
     if config is None:
         config = (pick_config(n, out_f, in_f, x.dtype, sms) if scale is not None else
                   _gemv_config(n, out_f, in_f, sms, w.element_size()))
+    if config.kernel == "mma" and not (scale is not None and mma_takes(x, data, n, in_f, x_strides)):
+        config = _gemv_config(n, out_f, in_f, sms)   # fp32 x, odd strides or shapes: the GEMV
     cfg = resolve_split(config, n, out_f, in_f, sms)
     _check_config(cfg)
     if scale is None and cfg.kernel != "gemv":
@@ -579,7 +596,10 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
         stride_yn, stride_yg, stride_ys = out_f, rows, n * out_f
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(out_f, cfg.block_o), split)
     pdl = pdl_args(x)
-    if cfg.kernel == "gemv":
+    if cfg.kernel == "mma":
+        launch_mma(x, data, scale, y, n, out_f, rows, in_f, split, x_strides, (stride_yn, stride_yg, stride_ys),
+                   cfg.block_o, cfg.num_warps, cfg.num_stages == 2)
+    elif cfg.kernel == "gemv":
         scaled = scale is not None
         _fp8_gemv_kernel[grid](
             x, data, scale if scaled else data, y, n, out_f, rows, in_f, per_split,
@@ -833,13 +853,26 @@ def bench_grouped(device: str | torch.device = "cuda", shape: tuple[str, int, in
     return rows_out
 
 
+def _mma_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Config]:
+    """The tensor-core decode kernel's tilings the sweep times (N <= 16, in % 128 == 0): rows per program x
+    warps (1-4 16-row tiles a warp), with and without the next step's prefetch, and the automatic split halved
+    and doubled for the first."""
+    if n > 16 or in_f % BLOCK:
+        return []
+    out = [Fp8Config(kernel="mma", block_o=bo, num_warps=w, num_stages=st)
+           for bo, w, st in ((64, 4, 2), (64, 2, 2), (128, 4, 2), (128, 8, 2), (128, 2, 2), (32, 2, 2), (64, 4, 1))]
+    auto = resolve_split(out[0], n, out_f, in_f, sms).split_k
+    out += [replace(out[0], split_k=s) for s in {max(1, auto // 2), 2 * auto} - {auto}]
+    return out
+
+
 def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Config]:
     """What the sweep times for one call: the dot decode default, the GEMV default and its neighbours (half and
     twice the rows per program at the same bytes per step, a twice-as-long step, 8 warps with a twice-as-long
     step, 1 and 4 stages and split-K 2 when there are several steps, half the tokens per program for N > 1
     and 8 for N > 4); for N > 1 also the dot path in fp16 (bf16_as_fp16: one e4m3 -> f16 conversion a weight
     pair where bf16 takes a further f16 -> bf16 one a weight) at 16, 32 and 64 rows a program, and 64 rows
-    with 8 warps."""
+    with 8 warps; then the tensor-core kernel's (`_mma_variants`)."""
     g = _gemv_config(n, out_f, in_f, sms)
     pad = max(BLOCK, next_pow2(in_f))
 
@@ -862,7 +895,7 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
     if n > 1:
         out += [Fp8Config(block_n=16, block_o=bo, num_warps=w, num_stages=4, bf16_as_fp16=True)
                 for bo, w in ((16, 4), (32, 4), (64, 4), (64, 8))]
-    return list(dict.fromkeys(out))  # unique, in order
+    return list(dict.fromkeys(out + _mma_variants(n, out_f, in_f, sms)))  # unique, in order
 
 
 def _config_src(cfg: Fp8Config) -> str:
@@ -886,10 +919,10 @@ def _precompile(jobs: Sequence[tuple[int, int, int, Fp8Config]], dtype: torch.dt
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, wait
     todo: dict[tuple, tuple] = {}
-    for out_f, in_f, n, cfg in jobs:  # GEMV compiles depend on the config and in % 16 only; dot ones on all
-        split = resolve_split(cfg, n, out_f, in_f).split_k > 1
+    for out_f, in_f, n, cfg in jobs:  # GEMV compiles depend on the config and in % 16 only, mma ones on the
+        split = resolve_split(cfg, n, out_f, in_f).split_k > 1   # config and N > 8; dot ones on all
         key = ((replace(cfg, split_k=0), split, in_f % 16) if cfg.kernel == "gemv" else
-               (cfg, n, out_f, in_f))
+               (replace(cfg, split_k=0), split, n > 8) if cfg.kernel == "mma" else (cfg, n, out_f, in_f))
         todo.setdefault(key, (out_f, in_f, n, cfg, dtype))
     workers = max(1, min(len(todo), (os.cpu_count() or 2) - 2, 14))
     t0 = time.monotonic()
@@ -908,17 +941,21 @@ def _precompile(jobs: Sequence[tuple[int, int, int, Fp8Config]], dtype: torch.dt
 
 def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
           shapes: Sequence[tuple[str, int, int]] = V4_FLASH_DECODE_SHAPES, tokens: Sequence[int] = (1, 2, 4, 8, 16),
-          l2_miss_bytes: int = 256 << 20, budget_s: float = 200.0) -> list[dict]:
+          l2_miss_bytes: int = 256 << 20, budget_s: float = 200.0, kernels: Sequence[str] = ("dot", "gemv", "mma"),
+          ) -> list[dict]:
     """Decode variants (`_sweep_variants`: the dot path and GEMV tilings) at each N in `tokens` on each shape,
     each replayed from a CUDA graph over >= l2_miss_bytes of weight copies. Prints one table (shape, N,
     variant, us per call, GB/s of weight bytes, % of the copy bandwidth; 'pick' marks pick_config's choice),
     then the best variant per (shape, N) and TUNED_DECODE lines for them. Each variant's output is checked
     against the reference before it is timed. Variants not reached within budget_s seconds of the start are
-    skipped (and counted). Returns the rows."""
+    skipped (and counted). `kernels` keeps only those kernels' variants (and the pick). Returns the rows."""
     t0 = time.monotonic()
     device = torch.device(device)
     sms = num_sms(device)
-    plan = {(name, n): _sweep_variants(n, out_f, in_f, sms) for name, out_f, in_f in shapes for n in tokens}
+    plan = {(name, n): [c for c in _sweep_variants(n, out_f, in_f, sms)
+                        if c.kernel in kernels or resolve_split(c, n, out_f, in_f, sms) == pick_config(n, out_f, in_f,
+                                                                                                    dtype, sms)]
+            for name, out_f, in_f in shapes for n in tokens}
     _precompile([(out_f, in_f, n, cfg) for name, out_f, in_f in shapes for n in tokens for cfg in plan[name, n]],
                 dtype, timeout_s=budget_s / 2)
     copy_gbs = copy_bandwidth(device)
@@ -996,6 +1033,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=V4_FLASH_GROUPED[2],
                    help="--grouped: rows per group, a multiple of 128 (default %(default)s)")
     p.add_argument("--in-features", type=int, default=V4_FLASH_GROUPED[3], help="--grouped: in (default %(default)s)")
+    p.add_argument("--kernels", nargs="+", choices=("dot", "gemv", "mma"), default=("dot", "gemv", "mma"),
+                   help="--sweep: the kernels whose variants are timed (the current pick always is)")
     p.add_argument("--tokens", type=int, nargs="+",
                    help="N values (default: 1 2 4 8 16 for --sweep, 1 4 16 for --grouped)")
     return p
@@ -1009,7 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     grouped = ("wo_a" if (args.groups, args.rows, args.in_features) == V4_FLASH_GROUPED[1:] else "grouped",
                args.groups, args.rows, args.in_features)
     if args.sweep:
-        sweep(tokens=args.tokens or (1, 2, 4, 8, 16))
+        sweep(tokens=args.tokens or (1, 2, 4, 8, 16), kernels=args.kernels)
     if args.sweep_prefill:
         sweep_prefill()
     if not (args.sweep or args.sweep_prefill or args.grouped):
