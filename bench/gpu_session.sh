@@ -60,7 +60,7 @@ tests)
         ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
-        tests/test_triton_rms_norm.py tests/test_triton_index_scores.py \
+        tests/test_triton_rms_norm.py tests/test_triton_index_scores.py tests/test_triton_fp8_mma.py \
         tests/test_cuda.py}
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
