@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from moebox.ops.triton.fp8_linear import Fp8Config, V4_FLASH_DECODE_SHAPES, fp8_linear_reference
+from moebox.ops.triton.fp8_linear import Fp8Config, V4_FLASH_DECODE_SHAPES
 from tests.interpreter import check_in_interpreter
+from tests.ptx_warp import f32, run_warp
 from tests.test_triton_fp8 import _check_gpu, _gpu_weight, block_weight
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -27,69 +28,6 @@ needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not install
 
 
 # ---------------------------------------------------------------------------------------------- the PTX
-def _f16_pair(v: int) -> tuple[float, float]:
-    return tuple(float(h) for h in np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16))
-
-
-def _run_warp(asm: str, inputs: list[list[int]]) -> list[list[int]]:
-    """Execute the kernel's PTX for one warp: inputs[lane] = operands $1.. (or $8..), returns $0 (or $0..$7)."""
-    first_in = 8 if "mma.sync" in asm else 1
-    regs = [{f"${first_in + i}": v for i, v in enumerate(lane)} for lane in inputs]
-    f32 = lambda v: float(np.array([v], dtype=np.uint32).view(np.float32)[0])      # noqa: E731
-    bits = lambda f: int(np.array([f], dtype=np.float32).view(np.uint32)[0])       # noqa: E731
-    body = asm.replace("{ ", "{\n").replace("; ", ";\n").replace(" }", "\n}")
-    for line in body.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        if op.startswith("mma.sync"):
-            assert op == "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", op
-            groups = [grp.replace("{", "").split(",") for grp in rest.split("}")[:4]]
-            d, a, b, c = ([x.strip(", ") for x in grp if x.strip(", ")] for grp in groups)
-            A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-            for lane, r in enumerate(regs):
-                g, t = lane >> 2, lane & 3
-                for q, (row, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                    A[row, k0:k0 + 2] = _f16_pair(r[a[q]])
-                for q, k0 in enumerate((2 * t, 2 * t + 8)):
-                    B[k0:k0 + 2, g] = _f16_pair(r[b[q]])
-                for q, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-                    C[row, col] = f32(r[c[q]])
-            D = A @ B + C
-            for lane, r in enumerate(regs):
-                g, t = lane >> 2, lane & 3
-                for q, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-                    r[d[q]] = bits(D[row, col])
-            continue
-        args = [x.strip() for x in rest.split(",")]
-        for r in regs:
-            if op == "mov.b32" and args[0].startswith("{"):       # unpack into two 16-bit registers
-                v = r[args[2]]
-                r[args[0][1:]], r[args[1][:-1]] = v & 0xFFFF, v >> 16
-                continue
-            v = [0 if x == "0f00000000" else int(x, 0) if x[0].isdigit() or x[0] == "-" else r[x]
-                 for x in args[1:]]
-            if op in ("mov.f32", "mov.b32"):
-                out = v[0]
-            elif op == "shl.b32":
-                out = v[0] << v[1]
-            elif op == "and.b32":
-                out = v[0] & v[1]
-            elif op == "cvt.rn.f16x2.f32":   # a -> high half, b -> low half
-                hi, lo = (np.array([f32(x)], dtype=np.float32).astype(np.float16).view(np.uint16)[0] for x in v)
-                out = (int(hi) << 16) | int(lo)
-            elif op == "cvt.rn.f16x2.e4m3x2":   # byte 0 -> low half, byte 1 -> high half
-                fp8 = torch.tensor([v[0] & 0xFF, v[0] >> 8], dtype=torch.uint8).view(torch.float8_e4m3fn)
-                h = fp8.float().half().view(torch.int16).numpy().view(np.uint16)
-                out = int(h[0]) | (int(h[1]) << 16)
-            else:
-                raise AssertionError(f"unexpected instruction {op}")
-            r[args[0]] = out & 0xFFFFFFFF
-    n_out = 8 if first_in == 8 else 1
-    return [[r[f"${i}"] for i in range(n_out)] for r in regs]
-
-
 @pytest.mark.parametrize("token_sets", [1, 2])
 def test_mma_asm_emulated_against_a_plain_dot(token_sets: int) -> None:
     """One mma tile of one K block: 16 weight rows x 128 columns of random e4m3 bytes, x bf16 (converted by the
@@ -104,7 +42,7 @@ def test_mma_asm_emulated_against_a_plain_dot(token_sets: int) -> None:
     tokens = 8 * token_sets
     x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(token_sets)).bfloat16()
     x_pairs = x.view(torch.int32).numpy().astype(np.int64) & 0xFFFFFFFF  # [token, 64] bf16 pairs
-    f16_pairs = np.array([[_run_warp(BF16_TO_F16_ASM, [[int(p)]])[0][0] for p in row] for row in x_pairs])
+    f16_pairs = np.array([[run_warp(BF16_TO_F16_ASM, [[int(p)]], first_in=1, outputs=1)[0][0] for p in row] for row in x_pairs])
     words = codes.view(np.uint32)                                         # [row, 32] little-endian words
     inputs = []
     for lane in range(32):
@@ -115,14 +53,14 @@ def test_mma_asm_emulated_against_a_plain_dot(token_sets: int) -> None:
                 ops += [int(f16_pairs[min(g + 8 * h, tokens - 1), 32 * c + 8 * t + 4 * half + q])
                         for h in range(2) for q in range(4)]
         inputs.append(ops)
-    outs = _run_warp(mma_asm(token_sets), inputs)
+    outs = run_warp(mma_asm(token_sets), inputs, first_in=8, outputs=8)
     got = np.zeros((16, tokens))
     for lane, out in enumerate(outs):
         g, t = lane >> 2, lane & 3
         for rho in range(2):
             for i in range(4):
                 tok = 2 * t + i % 2 + (8 * (i // 2) if token_sets == 2 else 0)
-                got[8 * rho + g, tok] += float(np.array([out[4 * rho + i]], dtype=np.uint32).view(np.float32)[0])
+                got[8 * rho + g, tok] += f32(out[4 * rho + i])
     want = w @ x.double().numpy().T
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
 

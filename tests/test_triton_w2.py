@@ -28,6 +28,7 @@ from moebox.ops.triton.w2_moe import (DEFAULT_CONFIG, SWEEP, DecodeConfig, exper
 from moebox.quant.w2 import W2Tensor, from_float
 
 from tests.interpreter import check_in_interpreter
+from tests.ptx_warp import f32, run_warp
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
@@ -196,72 +197,6 @@ def test_mma_kernels_build_for_sm90() -> None:
         assert rep["instructions_per_weight"] < 2.1, rep   # 1.66 (gate_up) and 1.88-1.92 (down) with Triton 3.6-3.9
 
 
-def _run_warp_asm(asm: str, inputs: list[list[int]]) -> list[list[int]]:
-    """Execute the mma kernels' PTX (the few instructions it uses) for one warp: inputs[lane] = operands $8..,
-    returns outputs[lane] = $0..$7, with mma.sync.m16n8k16 (bf16 in, fp32 accumulate) as the PTX ISA lays
-    out its fragments (lane = 4 * groupID + threadID_in_group)."""
-    import numpy as np
-    m32 = 0xFFFFFFFF
-    regs = [{f"${8 + i}": v for i, v in enumerate(lane)} for lane in inputs]
-
-    def val(r: dict, a: str) -> int:
-        return int(a, 0) if a[0].isdigit() else r[a]
-
-    def bf16_pair(v: int) -> tuple[float, float]:
-        return tuple(float(np.array([(v >> s & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0]) for s in (0, 16))
-
-    def f32(v: int) -> float:
-        return float(np.array([v], dtype=np.uint32).view(np.float32)[0])
-
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." :
-            continue
-        op, rest = line.split(None, 1)
-        if op.startswith("mma.sync"):
-            groups = [grp.replace("{", "").split(",") for grp in rest.split("}")[:4]]
-            d, a, b, c = ([x.strip(", ") for x in grp if x.strip(", ")] for grp in groups)
-            A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-            for lane, r in enumerate(regs):
-                g, t = lane >> 2, lane & 3
-                for q, (row, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                    A[row, k0:k0 + 2] = bf16_pair(r[a[q]])
-                for q, k0 in enumerate((2 * t, 2 * t + 8)):
-                    B[k0:k0 + 2, g] = bf16_pair(r[b[q]])
-                for q, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-                    C[row, col] = f32(r[c[q]])
-            D = (A @ B + C).astype(np.float32)
-            for lane, r in enumerate(regs):
-                g, t = lane >> 2, lane & 3
-                for q, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-                    r[d[q]] = int(D[row:row + 1, col].view(np.uint32)[0])
-            continue
-        args = [x.strip() for x in rest.split(",")]
-        for r in regs:
-            v = [val(r, x) for x in args[1:]]
-            if op == "mov.b32":
-                out = v[0]
-            elif op == "shr.b32":
-                out = v[0] >> v[1]
-            elif op == "shl.b32":
-                out = v[0] << v[1]
-            elif op == "and.b32":
-                out = v[0] & v[1]
-            elif op in ("mul.lo.u32", "mad.lo.u32"):
-                out = v[0] * v[1] + (v[2] if len(v) > 2 else 0)
-            elif op == "lop3.b32":
-                assert v[3] == 0xEA
-                out = (v[0] & v[1]) | v[2]
-            elif op == "prmt.b32":   # default mode: selector nibbles 0-3 pick bytes of {b, a} (a = bytes 0-3)
-                src = v[0] | (v[1] << 32)
-                out = sum(((src >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-                assert not v[2] & 0x8888, "sign-replicate mode is not used"
-            else:
-                raise AssertionError(f"unexpected instruction {op}")
-            r[args[0]] = out & m32
-    return [[r[f"${i}"] for i in range(8)] for r in regs]
-
-
 @pytest.mark.parametrize("terms", [1, 3])
 @needs_triton
 def test_mma_asm_emulated_against_direct_dot(terms: int) -> None:
@@ -295,14 +230,14 @@ def test_mma_asm_emulated_against_direct_dot(terms: int) -> None:
         ops += [int(scales[8 * rho + g, 2 * t + i % 2]) for rho in range(2) for i in range(4)]
         ops += [xp[col][4 * t + a][4 * rho + i] for a in range(4) for rho in range(2) for i in range(4)]
         inputs.append(ops + [0] * 8)
-    outs = _run_warp_asm(w2_moe._mma_asm(), inputs)
+    outs = run_warp(w2_moe._mma_asm(), inputs, first_in=8, outputs=8)
     got = np.zeros(16)
     for lane, out in enumerate(outs):
         g, t = lane >> 2, lane & 3
         for rho in range(2):
             for i in range(4):
                 if 2 * t + i % 2 < terms:   # _reduce_tile's mask: slot i of lane t is mma column 2t + i % 2
-                    got[8 * rho + g] += float(np.array([out[4 * rho + i]], dtype=np.uint32).view(np.float32)[0])
+                    got[8 * rho + g] += f32(out[4 * rho + i])
     assert np.abs(got - want).max() <= (1e-2 if terms == 1 else 1e-5) * np.abs(want).max(), (got, want)
 
 

@@ -83,9 +83,9 @@ from typing import Sequence
 import torch
 
 from moebox.ops.fuse import eager
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cubin_dump, graph_us, interpreting,  # noqa: F401
-                                       kernel_or_fallback, next_pow2, pdl_args, pdl_start, plain_tensor,
-                                       tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cubin_dump, graph_us,  # noqa: F401
+                                       interpreting, kernel_or_fallback, next_pow2, pdl_args, pdl_start,
+                                       plain_tensor, tl, triton)
 
 __all__ = ["CompressConfig", "pick_config", "supported", "compress_step_triton", "compress_step_reference",
            "compress_decode", "random_inputs", "clone_inputs", "positional", "V4_SHAPES", "sass_report", "bench",
@@ -576,8 +576,6 @@ def sass_report(kind: str = "csa", config: CompressConfig | None = None, precise
     special function unit; LDG / STG: global loads / stores; LDL / STL: local-memory traffic)."""
     import collections
     import re
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     shp = V4_SHAPES[kind]
     d, ratio, overlap, finish = shp["d"], shp["ratio"], shp["overlap"], shp["finish"]
@@ -593,13 +591,10 @@ def sass_report(kind: str = "csa", config: CompressConfig | None = None, precise
     const = dict(D=d, D_PAD=_d_pad(d, finish), R=ratio, OVERLAP=overlap, HALF_RD=32, NOPE=d - 64 if finish == "kv"
                  else 0, FINISH=_FINISH[finish], LOG2D=d.bit_length() - 1 if finish == "index" else 0,
                  BR=cfg.block_rows, B_PAD=_batch_pad(batch), VB=cfg.vis_block, PRECISE=precise, PDL=False)
-    sig = {a: ("*" + ptrs[a] if a in ptrs else "fp32" if a in ("eps", "sqrt_d") else "constexpr" if a in const
-               else "i32") for a in names}
-    aligned = [(names.index(a),) for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
-    src = ASTSource(fn, sig, constexprs={(names.index(a),): v for a, v in const.items()},
-                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "enable_fp_fusion": False})
+    sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a in ("eps", "sqrt_d") else "i32" for a in names
+           if a not in const}
+    aligned = [a for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
+    compiled = build_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, enable_fp_fusion=False)
     dump = cubin_dump(compiled.asm["cubin"])
     ops = collections.Counter(re.findall(r"\b(MUFU|LDG|STG|LDL|STL|BAR|FFMA)\b", dump[0]))
     return {"kind": kind, "config": cfg, "registers": int(re.search(r"REG:(\d+)", dump[1]).group(1)),

@@ -84,8 +84,8 @@ from typing import Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, cubin_dump, graph_us, interpreting,  # noqa: F401
-                                       kernel_or_fallback, next_pow2, num_sms, pdl_args, pdl_start,
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump, graph_us,  # noqa: F401
+                                       interpreting, kernel_or_fallback, next_pow2, num_sms, pdl_args, pdl_start,
                                        plain_tensor, rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
@@ -474,8 +474,6 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
     16-byte vs 2-byte global loads, local-memory traffic."""
     import collections
     import re
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     ring_rows, table_rows, k = V4_SHAPES[kind]
     nh, d = 64, 512
@@ -490,17 +488,10 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
     const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
                  ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, PDL=False)
-    fn = _attend_kernel
-    names = fn.arg_names
-    sig = {}
-    for a in names:
-        sig[a] = ("*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "constexpr" if a in const
-                  else "i32")
-    aligned = [(names.index(a),) for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
-    src = ASTSource(fn, sig, constexprs={(names.index(a),): v for a, v in const.items()},
-                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    names = _attend_kernel.arg_names
+    sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "i32" for a in names if a not in const}
+    aligned = [a for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
+    compiled = build_sm90(_attend_kernel, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     dump = cubin_dump(compiled.asm["cubin"])
     ops = collections.Counter(re.findall(r"\b(HGMMA|HMMA|LDGSTS|LDL|STL|LDG\.E\.128|LDG\.E\.U16|LDG\.E\.64|"
                                          r"LDG\.E(?=[ .]))", dump[0]))

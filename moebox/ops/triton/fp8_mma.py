@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, interpreting, pdl_args, pdl_start, tl, triton
+from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, cdiv, interpreting, loop_sass, pdl_args, pdl_start,
+                                       tl, triton)
 
 _SLOT = (0, 1, 4, 5, 2, 3, 6, 7)   # D register 4 chain + k -> output slot
 
@@ -218,20 +219,11 @@ def sass_report(tiles: int = 1, warps: int = 4, token_sets: int = 1, prefetch: b
     in the K loop, registers, spill stack, and the loop body's SASS (op counts, instructions per weight: a lane
     takes 64 R weights a step)."""
     import re
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from moebox.ops.triton.runtime import loop_sass
 
-    fn = _fp8_mma_kernel
-    types = ("*bf16", "*fp8e4nv", "*u8", "*bf16") + ("i32",) * 16
+    sig = dict(zip(_fp8_mma_kernel.arg_names, ("*bf16", "*fp8e4nv", "*u8", "*bf16") + ("i32",) * 16))
     const = dict(R=tiles, S=warps, TOKEN_SETS=token_sets, X_F16=x_f16, PREFETCH=prefetch, USE_ASM=True, PDL=False)
-    names = fn.arg_names
-    sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
-    aligned = [(names.index(a),) for a in ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "stride_xn", "stride_xg",
-                                           "stride_wo")]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    compiled = build_sm90(_fp8_mma_kernel, sig, const, ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "stride_xn",
+                                                         "stride_xg", "stride_wo"), num_warps=warps, num_stages=1)
     ttgir = compiled.asm["ttgir"]
     enc = re.search(r"tt\.elementwise_inline_asm.*?pack = 8.*?-> tensor<[^,]*, (#\w+)>", ttgir, re.S)
     enc = enc.group(1) if enc else None

@@ -149,6 +149,20 @@ def cubin_dump(cubin: bytes) -> tuple[str, str]:
     return sass, usage
 
 
+def build_sm90(fn, sig: dict[str, str], const: dict[str, object], aligned: Sequence[str], **options):
+    """Compile a Triton kernel for sm_90 on any machine with Triton's NVIDIA backend (no GPU needed), specialised
+    as a launch would be: `sig` the types of its runtime arguments by name, `const` its constexprs, the
+    arguments named in `aligned` marked divisible by 16 (pointers, and integers a launch finds so); `options` as
+    triton.compile takes them (num_warps, num_stages, ...). What the kernels' `sass_report`s build."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = fn.arg_names
+    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}},
+                    constexprs={(names.index(k),): v for k, v in const.items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def loop_sass(cubin: bytes) -> tuple[dict[str, int], int, int, bool]:
     """(op counts of the longest loop's body, registers, spill stack bytes, whether there is a loop) of a compiled
     kernel's SASS: what the `--sass` reports compare between tilings on a machine without a GPU. The loop is the
@@ -197,6 +211,6 @@ else:
 
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
-           "versions", "bench_start", "graph_us", "cubin_dump", "loop_sass", "cdiv", "next_pow2", "plain_tensor",
+           "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump", "loop_sass", "cdiv", "next_pow2", "plain_tensor",
            "rel_err", "pdl_switched_on", "pdl_enabled", "pdl_args", "pdl_start"]
 

@@ -306,18 +306,12 @@ def sass_report(e: int, k: int = 512, cfg: Config | None = None) -> dict:
     backend compiles offline): registers, spill stack, shared memory, and the SASS op counts of its loops."""
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from moebox.ops.triton.runtime import cubin_dump
+    from moebox.ops.triton.runtime import build_sm90, cubin_dump
     cfg = cfg or config(e)
-    names = _topk_kernel.arg_names
-    types = ["*fp32", "*u8", "*i64", "*u8", "i32", "i32", "i32"]
+    sig = dict(zip(_topk_kernel.arg_names, ["*fp32", "*u8", "*i64", "*u8", "i32", "i32", "i32"]))
     const = {"K": k, "NCH": cfg.nch, "HK": cfg.hk, "TK": cfg.tk, "NT": cfg.nt, "WIDE": cfg.wide, "PDL": True}
-    src = ASTSource(_topk_kernel, dict(zip(names, types)) | {n: "constexpr" for n in const},
-                    constexprs={(names.index(n),): v for n, v in const.items()},
-                    attrs={(i,): [["tt.divisibility", 16]] for i, ty in enumerate(types) if ty.startswith("*")})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    compiled = build_sm90(_topk_kernel, sig, const, [a for a, ty in sig.items() if ty.startswith("*")],
+                          num_warps=cfg.num_warps)
     sass, usage = cubin_dump(compiled.asm["cubin"])
     line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"
     ins = [(int(a, 16), op.split(".")[0]) for a, op in re.findall(line + r"([A-Z][\w.]*)", sass)]

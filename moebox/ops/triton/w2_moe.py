@@ -104,8 +104,8 @@ import torch
 from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, graph_us, interpreting, loop_sass, pdl_args,  # noqa: F401
-                                       pdl_start, tl, triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, graph_us, interpreting, loop_sass,  # noqa: F401
+                                       pdl_args, pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -764,8 +764,6 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
     of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
     import re
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
@@ -775,12 +773,9 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
     const.update(S=split, PREFETCH=prefetch, USE_ASM=True, PDL=False)
-    names = fn.arg_names
-    sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
-    aligned = [(names.index(a),) for a, ty in zip(names, types) if ty != "fp32"]
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={a: [["tt.divisibility", 16]] for a in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": split, "num_stages": 1})
+    sig = dict(zip(fn.arg_names, types))
+    compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
+                          num_stages=1)
     ttgir = compiled.asm["ttgir"]
     enc = re.search(r"tt\.elementwise_inline_asm.*?-> tensor<[^,]*, (#\w+)>", ttgir, re.S).group(1)
     layout = {key: [int(v) for v in re.search(rf"^{enc} = .*?{key} = \[([^\]]*)\]", ttgir, re.M).group(1).split(",")]

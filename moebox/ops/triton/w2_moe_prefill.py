@@ -39,8 +39,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, loop_sass, pdl_args, pdl_start, tl,
-                                       triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, loop_sass, pdl_args,
+                                       pdl_start, tl, triton)
 from moebox.ops.triton.w2_moe import (_u8, check_layer_planes, random_planes, random_routing,
                                       w2_moe_decode_reference)
 
@@ -346,8 +346,6 @@ def sass_report(config: PrefillConfig = DEFAULT_CONFIG) -> dict:
     (no GPU needed), specialised as a real launch is: registers, spill stack, the K loop's SASS op counts and
     instructions per dequantized weight (w1 and w3: 2 x BLOCK_K x BLOCK_N weights a loop iteration, over
     num_warps x 32 threads). The decode kernels' inline-PTX dequant does it in 1.7."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     rows = config.variant == "rows"
     fn = _gate_up_rows_kernel if rows else _gate_up_kernel
     types = ["*bf16", "*i32", "*i32", "*fp32", "*u8", "*u8", "*u8", "*u8", "*bf16", "i32", "i32", "i32", "i32",
@@ -355,14 +353,10 @@ def sass_report(config: PrefillConfig = DEFAULT_CONFIG) -> dict:
     const = dict(H=4096, I=2048, TOP_K=6, HAS_LIMIT=True, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                  BLOCK_K=32 if rows else config.block_k or 64, DT=tl.bfloat16, PRECISION="tf32",
                  STAGES=config.num_stages, PDL=False)
-    names = fn.arg_names
-    sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
-    aligned = ("stride_x", "c_es", "s_es", "n_experts")      # multiples of 16 at V4-Flash: specialised so
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a, ty in zip(names, types)
-                           if ty.startswith("*") or a in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    sig = dict(zip(fn.arg_names, types))
+    ints = ("stride_x", "c_es", "s_es", "n_experts")      # multiples of 16 at V4-Flash: specialised so
+    compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty.startswith("*") or a in ints],
+                          num_warps=config.num_warps, num_stages=config.num_stages)
     ops, registers, spills, _ = loop_sass(compiled.asm["cubin"])
     weights = 2 * const["BLOCK_K"] * config.block_n / (32 * config.num_warps)
     return {"config": config, "registers": registers, "spills": spills, "loop_ops": ops,
