@@ -50,12 +50,13 @@ def test_bench_decode_cli_reports_each_row(tmp_path):
     assert us == sorted(us, reverse=True) and shares == sorted(shares, reverse=True) and sum(shares) <= 100.05
     # one step's ops in launch order, each with its duration and the idle time before it
     header, *lines = timeline.read_text().splitlines()
-    assert header.split("\t") == ["start_us", "dur_us", "idle_us", "name"]
+    assert header.split("\t") == ["start_us", "dur_us", "idle_us", "stream", "name"]
     assert f"{len(lines)} rows in {timeline}" in out
     starts = [float(line.split("\t")[0]) for line in lines]
     assert len(lines) > 50 and starts[0] == 0 and starts == sorted(starts)
     assert any("linear" in line or "mm" in line for line in lines)
     assert all(float(line.split("\t")[1]) >= 0 and float(line.split("\t")[2]) >= 0 for line in lines)
+    assert all(line.split("\t")[3].lstrip("-").isdigit() for line in lines)
 
 
 def test_bench_prefill_cli_reports_each_prompt():

@@ -294,19 +294,21 @@ def profile_kernels(step: Callable[[], object], device: torch.device, steps: int
 
 def kernel_timeline(step: Callable[[], object], device: torch.device, path: str) -> int:
     """Write one profiled `step`'s device activity in launch order to `path` (tab-separated: start us from the
-    first, duration us, idle us since the ones before ended, name; on the CPU: its ops, nested ones included)
-    and return the number of rows. The profile's totals say which kernels cost most; this says in what order
-    they run and where the device waits between them."""
+    first, duration us, idle us since the ones before ended, the CUDA stream (the CPU thread for CPU ops), name;
+    on the CPU: its ops, nested ones included) and return the number of rows. The profile's totals say which
+    kernels cost most; this says in what order they run, on which stream (the main stream's chain is the
+    step's critical path; side-stream branches run beside it) and where the device waits between them."""
     from torch.autograd import DeviceType
     kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
     events = sorted((e for e in _profiled(step, device, 1).events() if e.device_type == kind),
                     key=lambda e: e.time_range.start)
     t0 = end = events[0].time_range.start
     with open(path, "w") as f:
-        f.write("start_us\tdur_us\tidle_us\tname\n")
+        f.write("start_us\tdur_us\tidle_us\tstream\tname\n")
         for e in events:
             start, stop = e.time_range.start, e.time_range.end
-            f.write(f"{start - t0:.2f}\t{stop - start:.2f}\t{max(0.0, start - end):.2f}\t{e.name[:120]}\n")
+            f.write(f"{start - t0:.2f}\t{stop - start:.2f}\t{max(0.0, start - end):.2f}\t{e.device_resource_id}\t"
+                    f"{e.name[:120]}\n")
             end = max(end, stop)
     return len(events)
 
