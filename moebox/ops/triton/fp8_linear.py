@@ -9,7 +9,9 @@ widened in memory: each program loads FP8 tiles and converts them in registers. 
 torch reference (dequantize to fp32, F.linear in fp32, cast back to x's dtype) with the same signature;
 `fp8_linear` dispatches (Triton for CUDA tensors when triton imports, the reference elsewhere).
 
-Two kernels; `pick_config` chooses by N, out and in (`Fp8Config.kernel`), and a config can force either:
+Three kernels; `pick_config` chooses by N, out and in (`Fp8Config.kernel`), and a config can force any: the two
+below, and for N <= 16 the tensor-core decode kernel of `moebox.ops.triton.fp8_mma` (kernel "mma", bf16/fp16 x
+and in % 128 == 0; other calls given an mma config take the GEMV), which TUNED_DECODE picks at N = 2-8.
 
 GEMV, `_fp8_gemv_kernel` (decode, N <= GEMV_MAX_N by default). A decode call is a stream of the weight's bytes
 with N multiply-adds per weight, so what bounds it is DRAM and, as N grows, instruction issue; the tl.dot path
@@ -196,8 +198,9 @@ GEMV_MAX_N = 8
 # its tokens per program, a dot's does not shrink with N). split_k 0 = automatic.
 # `--sweep` prints these lines.
 # From `python3 -m moebox.ops.triton.fp8_linear --sweep`, 2026-11-30 (twelfth session; the N = 2 entries from the
-# thirteenth's `--sweep --tokens 2`, up to 1.3x the GEMV heuristic's pick: docs/benchmarks.md). From
-# N = 4 or 8 up the dot path in fp16 wins (1.6-1.8x the bf16 dot at N = 16): bf16 x is converted to fp16 in the
+# thirteenth's `--sweep --tokens 2`, up to 1.3x the GEMV heuristic's pick; the mma entries from the fourteenth's
+# `--sweep --kernels mma`, up to 1.5x the dot at N = 8: docs/benchmarks.md). The mma kernel wins at N = 2-8 on
+# most products, the dot path in fp16 at N = 16 (1.6-1.8x the bf16 dot): both convert bf16 x to fp16 in the
 # kernel, so these products assume |x| < 65504 (normed or clamped activations, attention and its latents).
 TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {
     (1536, 4096): (  # wq_a+wkv
