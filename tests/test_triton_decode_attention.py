@@ -243,6 +243,21 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     wide = torch.randn(3, 8, 32) * 1.5
     inp.update(q=wide[:, ::2], sink=inp["sink"].half())
     add("csa strided q", inp, AttendConfig(block_k=16, split=2), 1e-4, (2,))
+    # the inverse RoPE of the output in the combine's store (split 2; the rope columns in one or two column
+    # blocks) and, with one split, by apply_rope after the kernel: against apply_rope of the torch path
+    from moebox.ops.rope import apply_rope, rope_inv_freq
+    for i, (rd, cfg) in enumerate(((16, AttendConfig(block_k=16, split=2)),
+                                   (24, AttendConfig(block_k=16, split=2, combine_block_d=16)),
+                                   (16, AttendConfig(block_k=16, split=1)))):
+        inp = tiny("csa", 3, 4, 32, 16, 12, 4, f32, seed=30 + i, masked=(1,))
+        rope = (torch.tensor([5, 4093, 70000]), rope_inv_freq(rd, 10000.0, None))
+        out = torch.full_like(inp["q"], float("nan"))
+        got = attend_triton(**inp, out=out, config=cfg, rope=rope)
+        ref = apply_rope(attend_reference(**inp), *rope, inverse=True)
+        results.append(dict(case=f"inverse rope rd={rd} {cfg}", same_buffer=got.data_ptr() == out.data_ptr(),
+                            finite=bool(torch.isfinite(got).all()),
+                            rel=float((got - ref).abs().max() / ref.abs().max()), ref_norm=float(ref.norm()),
+                            tol=1e-5))
     print("RESULT " + json.dumps(results))
 """)
 
@@ -335,6 +350,23 @@ def test_gpu_v4_flash_shape(kind: str, b: int) -> None:
     _check(_v4(kind, b, seed=b))
 
 
+@pytest.mark.parametrize("b", [1, 8, 16])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_inverse_rope_in_the_combine(b: int) -> None:
+    """MOEBOX_ATTENTION_ROPE's path at the V4-Flash shape (CSA, bf16, positions up to 64K): the kernel with
+    `rope` against apply_rope(inverse) of the fp32 reference, within one bf16 rounding."""
+    from moebox.ops.rope import apply_rope, rope_inv_freq
+    from moebox.ops.triton.decode_attention import attend_triton
+    inp = _v4("csa", b, seed=40 + b)
+    rope = (torch.randint(0, 65536, (b,), device="cuda"), rope_inv_freq(64, 10000.0, None).cuda())
+    out = torch.full_like(inp["q"], float("nan"))
+    got = attend_triton(**inp, out=out, rope=rope)
+    ref = apply_rope(_fp32_reference(inp), *rope, inverse=True)
+    assert torch.isfinite(got).all()
+    assert float((got.double() - ref.double()).norm() / ref.double().norm()) < 4e-3
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_v4_hca_large_table_and_expanded_rows() -> None:
@@ -400,21 +432,26 @@ def test_gpu_deterministic_and_cuda_graph_replay() -> None:
 _MODEL_CHECK = textwrap.dedent("""
     import json, os, sys
     sys.path.insert(0, sys.argv[1])
-    from tests.interpreter import count_calls, tiny_decode_logits, tiny_model
+    from tests.interpreter import tiny_decode_logits, tiny_model
     cfg, model = tiny_model()
     import moebox.ops.triton.decode_attention as da
-    kernel_calls = count_calls(da, "attend_triton")      # counts the kernel's launches
+    real = da.attend_triton
+    kernel_calls = []                                    # the kernel's launches: with the inverse RoPE or not
+    da.attend_triton = lambda *a, **kw: kernel_calls.append(kw.get("rope") is not None) or real(*a, **kw)
     os.environ["MOEBOX_PREFILL_ATTENTION_KERNEL"] = "0"   # count the decode steps' launches only
     os.environ["MOEBOX_TOPK_KERNEL"] = "0"               # only the attention read differs (top-k: its own check)
     runs = {}
-    for flag in ("1", "0"):                              # two sequences, past entries of both ratios
-        os.environ["MOEBOX_ATTENTION_KERNEL"] = flag
-        runs[flag] = tiny_decode_logits(model, cfg, 14, cache_len=96)
-    got, ref = runs["1"], runs["0"]
-    assert len(kernel_calls) == 14 * cfg.num_layers, len(kernel_calls)
-    rel = ((got - ref).norm() / ref.norm()).item()
-    print("RESULT " + json.dumps([{"same_buffer": True, "finite": bool(got.isfinite().all()), "rel": rel,
-                                   "ref_norm": ref.norm().item(), "tol": 1e-5}]))
+    # two sequences, past entries of both ratios: the kernel, the kernel with the inverse RoPE in its combine
+    # (MOEBOX_ATTENTION_ROPE=1), the torch path
+    for flag, rope in (("1", "0"), ("1", "1"), ("0", "0")):
+        os.environ.update(MOEBOX_ATTENTION_KERNEL=flag, MOEBOX_ATTENTION_ROPE=rope)
+        runs[flag + rope] = tiny_decode_logits(model, cfg, 14, cache_len=96)
+    steps = 14 * cfg.num_layers
+    assert kernel_calls == [False] * steps + [True] * steps, kernel_calls
+    ref = runs["00"]
+    print("RESULT " + json.dumps([{"case": run, "same_buffer": True, "finite": bool(got.isfinite().all()),
+                                   "rel": ((got - ref).norm() / ref.norm()).item(), "ref_norm": ref.norm().item(),
+                                   "tol": 1e-5} for run, got in runs.items() if run != "00"]))
 """)
 
 
@@ -422,5 +459,6 @@ _MODEL_CHECK = textwrap.dedent("""
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
 def test_the_model_decode_step_with_the_kernel_equals_the_torch_path() -> None:
     """Attention._decode takes the kernel where it applies (here: Triton's interpreter on CPU fp32, tiny model
-    with sliding, CSA and HCA layers): 14 decode steps of two sequences give the torch path's logits."""
+    with sliding, CSA and HCA layers): 14 decode steps of two sequences give the torch path's logits, with the
+    inverse RoPE after the kernel and in its combine."""
     check_in_interpreter(_MODEL_CHECK)

@@ -40,9 +40,9 @@ def attention_kernel_takes(q: torch.Tensor, ring: object, entries: object) -> bo
     return isinstance(ring, torch.Tensor) and (entries is None or isinstance(entries, torch.Tensor))
 
 
-def attend_decode(q, ring, slot, visible, sink, scale, entries, rows, valid) -> torch.Tensor:
+def attend_decode(q, ring, slot, visible, sink, scale, entries, rows, valid, rope=None) -> torch.Tensor:
     from moebox.ops.triton.decode_attention import attend_decode as kernel_or_torch
-    return kernel_or_torch(q, ring, slot, visible, sink, scale, entries, rows, valid)
+    return kernel_or_torch(q, ring, slot, visible, sink, scale, entries, rows, valid, rope)
 
 
 class Compressor:
@@ -174,16 +174,16 @@ class Attention:
             idx = (qi, rest[2], icomp)
         keys_branch.join()
 
-        if decode:
+        if decode:   # the inverse RoPE applied
             out = self._attend_decode(batch, q, idx, stored, cache)
-        elif cache is None and (t := batch.uniform_length()) is not None:
-            out = self._fresh(t, q, kv, comp, idx)
         else:
-            out = torch.empty_like(q)
-            for seg in batch.segments:
-                out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
-
-        out = apply_rope(out, pos, self.inv_freq, inverse=True)
+            if cache is None and (t := batch.uniform_length()) is not None:
+                out = self._fresh(t, q, kv, comp, idx)
+            else:
+                out = torch.empty_like(q)
+                for seg in batch.segments:
+                    out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
+            out = apply_rope(out, pos, self.inv_freq, inverse=True)
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
 
@@ -328,8 +328,10 @@ class Attention:
     def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
                        cache: LayerCache) -> torch.Tensor:
         """The query half of a decode step: the indexer's top-k (CSA), then attention over the window and the
-        selected (CSA) or all (HCA) entries; `stored` is what `_store_decode` returned."""
-        cfg, slot = self.cfg, batch.slots
+        selected (CSA) or all (HCA) entries, then the inverse RoPE; `stored` is what `_store_decode` returned.
+        With MOEBOX_ATTENTION_ROPE=1 (experimental, off) the attention kernel's combine applies the inverse
+        RoPE as it stores, one launch fewer a layer."""
+        cfg, slot, pos = self.cfg, batch.slots, batch.positions
         scale = cfg.head_dim ** -0.5
         keys, visible, valid = stored
         entries = rows = None
@@ -338,11 +340,16 @@ class Attention:
                 qi, wi, _ = idx
                 rows, valid = index_select(qi, wi, self.index_scale, cache.index_keys, slot, valid, cfg.index_topk)
             entries = cache.entries
+        if keys is None and kernel_switched_on(q, "MOEBOX_ATTENTION_ROPE", default=False):
+            return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid,
+                                 (pos, self.inv_freq))
         if keys is None:
-            return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid)
-        if entries is not None and rows is None:                  # HCA: every entry row
-            rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
-        return attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid)
+            out = attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid)
+        else:
+            if entries is not None and rows is None:                  # HCA: every entry row
+                rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
+            out = attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid)
+        return apply_rope(out, pos, self.inv_freq, inverse=True)
 
     def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,
                   ring_gate, entries, finish: str | None) -> torch.Tensor:

@@ -245,9 +245,24 @@ if HAVE_TRITON:
             tl.store(po_ptr + row_p.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=mhd)
 
     @triton.jit
-    def _combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, out_ptr, NH, NSPLIT, s_ob, s_oh,
-                        D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr):
-        """out[b, heads, cols] from the SPLIT partials of sequence b, summed in split order."""
+    def _unrope(o, col0, pos, inv_ptr, D: tl.constexpr, RD: tl.constexpr):
+        """o [H, BD] fp32 at columns col0.. (BD and col0 even) of a D-wide head: its columns past D - RD rotated
+        back by pos * inv_freq in interleaved pairs (2i, 2i+1), as `apply_rope(..., inverse=True)`."""
+        H: tl.constexpr = o.shape[0]
+        BD: tl.constexpr = o.shape[1]
+        a, b = tl.split(tl.reshape(o, (H, BD // 2, 2)))
+        c = col0 + 2 * tl.arange(0, BD // 2)                            # each pair's even column
+        j = (c - (D - RD)) // 2
+        f = pos * tl.load(inv_ptr + j, mask=(j >= 0) & (c < D), other=0.0)   # 0: cos 1, sin 0 (not rotated)
+        cos, sin = tl.cos(f)[None, :], tl.sin(f)[None, :]
+        return tl.reshape(tl.join(a * cos + b * sin, b * cos - a * sin), (H, BD))
+
+    @triton.jit
+    def _combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, pos_ptr, inv_ptr, out_ptr, NH, NSPLIT, s_ob, s_oh,
+                        D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, S_PAD: tl.constexpr, RD: tl.constexpr,
+                        PDL: tl.constexpr):
+        """out[b, heads, cols] from the SPLIT partials of sequence b, summed in split order; RD > 0: the
+        trailing RD columns of each head rotated back by position pos[b] (`_unrope`)."""
         pdl_start(PDL)
         b = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -271,6 +286,8 @@ if HAVE_TRITON:
             o = tl.load(po_ptr + row_s.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mhd, other=0.0)
             acc += o * w[:, None]
         out = acc / den[:, None]
+        if RD:
+            out = _unrope(out, tl.program_id(2) * BD, tl.load(pos_ptr + b).to(tl.float32), inv_ptr, D, RD)
         tl.store(out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mhd)
 
@@ -325,12 +342,16 @@ def _contig_last(t: torch.Tensor) -> torch.Tensor:
 def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, window_visible: torch.Tensor,
                   sink: torch.Tensor, scale: float, entries: torch.Tensor | None = None,
                   rows: torch.Tensor | None = None, valid: torch.Tensor | None = None, *,
-                  out: torch.Tensor | None = None, config: AttendConfig | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, config: AttendConfig | None = None,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Sink attention of q [B, nh, d] over each sequence's window ring rows ring[slot] (masked by
     window_visible [B, R]) plus, when `entries` is given, the rows `rows` [B, k] / [1, k] (None: all E rows) of
     entries[slot] masked by `valid` [B, k]: what `attend_reference` computes, without materialising the keys.
-    -> [B, nh, d] in q's dtype (into `out` when given: contiguous on the last dim). Runs on CUDA, or on CPU
-    tensors under TRITON_INTERPRET=1; raises ValueError where `supported` is False."""
+    -> [B, nh, d] in q's dtype (into `out` when given: contiguous on the last dim). `rope` = (positions [B],
+    inv_freq [rd / 2] fp32, on q's device): the output's trailing rd columns rotated back as
+    `apply_rope(out, positions, inv_freq, inverse=True)` does, in the combine kernel's store (with one split:
+    by apply_rope after). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1; raises ValueError where
+    `supported` is False."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     if not supported(q, ring, slot, window_visible, sink, entries, rows, valid):
@@ -366,6 +387,9 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     else:
         ent, rws, vmask, all_rows, s_rowb, s_es, s_er, s_vb = ring, wvis, wvis, True, 0, 0, 0, 0
     final = cfg.split == 1
+    rd = 0 if rope is None else 2 * rope[1].numel()
+    if rd > d or (rope is not None and tuple(rope[0].shape) != (b,)):
+        raise ValueError(f"rope: positions must be [{b}] and inv_freq at most {d // 2} long")
     if final:
         po = pm = pl = out     # unused
     else:
@@ -384,9 +408,13 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
         cbd = min(next_pow2(cfg.combine_block_d), d_pad)
+        pos, inv = rope if rope is not None else (slot, sink)   # not read without rope
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
-            po, pm, pl, sink, out, nh, cfg.split, out.stride(0), out.stride(1),
-            D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), num_warps=4, **pdl)
+            po, pm, pl, sink, _contig_last(pos), _contig_last(inv), out, nh, cfg.split, out.stride(0),
+            out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), RD=rd, num_warps=4, **pdl)
+    elif rope is not None:
+        from moebox.ops.rope import apply_rope
+        out.copy_(apply_rope(out, rope[0], rope[1], inverse=True))
     return out
 
 
@@ -406,14 +434,19 @@ def attend_reference(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: 
 
 def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: torch.Tensor, sink: torch.Tensor,
                   scale: float, entries=None, rows: torch.Tensor | None = None,
-                  valid: torch.Tensor | None = None) -> torch.Tensor:
+                  valid: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  ) -> torch.Tensor:
     """The dispatch the model uses: `attend_triton` where `supported` (and where it builds), else
-    `attend_reference`."""
+    `attend_reference` (then `apply_rope(..., inverse=True)` with `rope`)."""
     def torch_path() -> torch.Tensor:
-        return attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
+        out = attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
+        if rope is None:
+            return out
+        from moebox.ops.rope import apply_rope
+        return apply_rope(out, rope[0], rope[1], inverse=True)
     if supported(q, ring, slot, window_visible, sink, entries, rows, valid):
         return kernel_or_fallback("decode attention", "MOEBOX_ATTENTION_KERNEL", lambda: attend_triton(
-            q, ring, slot, window_visible, sink, scale, entries, rows, valid), torch_path)
+            q, ring, slot, window_visible, sink, scale, entries, rows, valid, rope=rope), torch_path)
     return torch_path()
 
 
