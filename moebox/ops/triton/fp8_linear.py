@@ -572,7 +572,7 @@ def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: i
         config = (pick_config(n, out_f, in_f, x.dtype, sms) if scale is not None else
                   _gemv_config(n, out_f, in_f, sms, w.element_size()))
     if config.kernel == "mma" and not (scale is not None and mma_takes(x, data, n, in_f, x_strides)):
-        config = _gemv_config(n, out_f, in_f, sms)   # fp32 x, odd strides or shapes: the GEMV
+        config = _gemv_config(n, out_f, in_f, sms, 1 if scale is not None else w.element_size())   # the GEMV
     cfg = resolve_split(config, n, out_f, in_f, sms)
     _check_config(cfg)
     if scale is None and cfg.kernel != "gemv":

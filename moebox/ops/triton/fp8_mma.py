@@ -7,7 +7,10 @@ it streamed the big decode products at 66-70% of the copy bandwidth at N = 1 and
 3.5 TB/s, so it is bounded by its own issue and latency, not by DRAM. Here one mma.sync.m16n8k16 (f16 x f16
 -> fp32) multiplies 16 rows x 16 columns of weights with up to 8 tokens: per weight 1/2 F2FP (e4m3x2 ->
 f16x2, the A operand straight from the loaded bytes) and 1/8 HMMA, whatever N <= 8 is; N = 9..16 takes a
-second mma per A fragment.
+second mma per A fragment. Measured on the H200 (fourteenth session, `fp8_linear --sweep --kernels mma`): up
+to 1.5x the previous picks at N = 2-8 (wq_b at N = 8: 20.5 -> 13.8 us), even with the GEMV at N = 1-2 (where
+every product costs ~2.3 us plus its bytes at 3.55 TB/s, whatever the kernel) and behind the fp16 dot at 16;
+TUNED_DECODE takes it where it won.
 
 Layout (no shared memory, no layout conversion). A program owns BLOCK_O = 16 R S output rows: S warps, each
 with R 16-row mma tiles, all walking the whole K range (or the program's split of it) in steps of one
@@ -19,7 +22,7 @@ are not where the fragment wants them (lane t's A registers hold k = 2t, 2t+1, 2
 product does not care how k is numbered as long as A and B agree: for word j the mma takes logical k
 (2t, 2t+1) = columns 16t + 4j + (0, 1) and (2t+8, 2t+9) = 16t + 4j + (2, 3), and lane (g, t) loads its B
 fragment (x of token g) from the same columns. So a lane needs x[token g, 16t .. 16t+15] of each chunk: two
-16-byte loads (`_x_words`), converted from bf16 pairs to f16 pairs once a step (3 instructions a pair) and
+16-byte loads (`_x_tile`), converted from bf16 pairs to f16 pairs once a step (3 instructions a pair) and
 shared by the R tiles. Per lane and step: 2 chunks x R tiles x 2 rows x 16 columns = 64 R weights, 32 R F2FP,
 8 R HMMA (16 R with a second token set), 8 R FFMA for the scale, and ~48 instructions of x conversion.
 
@@ -185,11 +188,6 @@ if HAVE_TRITON:
         tl.store(ptrs, y.to(y_ptr.dtype.element_ty), mask=(tok_out < N) & (rows < OUT))
 
 
-def block_rows(tiles: int, warps: int) -> int:
-    """Output rows a program of `warps` warps with `tiles` 16-row mma tiles each owns."""
-    return 16 * tiles * warps
-
-
 def mma_takes(x: torch.Tensor, data: torch.Tensor, n: int, in_f: int, x_strides: tuple[int, int]) -> bool:
     """Whether the mma kernel can run this call (see the module doc's bounds); else the GEMV does."""
     return (x.dtype in (torch.bfloat16, torch.float16) and 1 <= n <= 16 and in_f % 128 == 0
@@ -236,4 +234,4 @@ def sass_report(tiles: int = 1, warps: int = 4, token_sets: int = 1, prefetch: b
             "loop_ops": ops, "instructions_per_weight": sum(ops.values()) / (64 * tiles)}
 
 
-__all__ = ["mma_asm", "mma_takes", "launch_mma", "block_rows", "BF16_TO_F16_ASM", "sass_report"]
+__all__ = ["mma_asm", "mma_takes", "launch_mma", "BF16_TO_F16_ASM", "sass_report"]
