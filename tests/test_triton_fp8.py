@@ -133,6 +133,15 @@ def test_sweep_variants_are_valid() -> None:
                 assert cfg.kernel != "gemv" or cfg.block_o * cfg.block_k <= 128 * 32 * cfg.num_warps
 
 
+def test_launch_cost_fit_recovers_a_line() -> None:
+    """The sweep's fit: rows on time = 2 us + bytes / 4 TB/s (MB / 4e6 MB/s = us / 4) give back 2 us and 4 TB/s;
+    fewer than three sizes give nothing."""
+    rows = [{"bytes": mb * 1e6, "us": 2.0 + mb / 4.0} for mb in (6.3, 8.4, 16.8, 33.5, 41.9)]
+    fixed, rate = fp8_mod.launch_cost_fit(rows)
+    assert abs(fixed - 2.0) < 1e-9 and abs(rate - 4.0) < 1e-9
+    assert fp8_mod.launch_cost_fit(rows[:2] + [dict(rows[1])]) is None
+
+
 def test_config_checks() -> None:
     for bad in (Fp8Config(kernel="wmma"), Fp8Config(kernel="gemv", block_k=192), Fp8Config(block_k=256),
                 Fp8Config(block_o=24, kernel="gemv"), Fp8Config(kernel="mma"),   # 32 rows for 4 warps

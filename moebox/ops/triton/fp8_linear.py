@@ -993,7 +993,7 @@ def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat
                     continue
                 gbs = w.nbytes / ms / 1e6
                 rows.append({"shape": name, "out": out_f, "in": in_f, "N": n, "config": cfg, "us": ms * 1e3,
-                             "GB/s": gbs, "copy": gbs / copy_gbs})
+                             "bytes": w.nbytes, "GB/s": gbs, "copy": gbs / copy_gbs})
                 print(f"{head} {ms * 1e3:8.2f} {gbs:7.0f} {gbs / copy_gbs:6.1%}{mark}", flush=True)
     best: dict[tuple[str, int], dict] = {}
     for r in rows:
@@ -1002,6 +1002,10 @@ def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat
     print(f"\nbest per (shape, N){f'; {skipped} variants skipped (over {budget_s:.0f} s)' if skipped else ''}:")
     for (name, n), r in best.items():
         print(f"  {name:10s} N={n:<3d} {r['config'].label:34s} {r['us']:8.2f} us {r['copy']:6.1%}")
+    for n in tokens:
+        fit = launch_cost_fit([r for (_, m), r in best.items() if m == n])
+        if fit is not None:
+            print(f"  N={n:<3d} best times ~ {fit[0]:.2f} us a call + weight bytes at {fit[1]:.2f} TB/s")
     print("TUNED_DECODE entries (paste into TUNED_DECODE in moebox/ops/triton/fp8_linear.py):")
     for name, out_f, in_f in shapes:
         entries = ", ".join(f"({n}, {_config_src(best[name, n]['config'])})" for n in tokens if (name, n) in best)
@@ -1009,6 +1013,18 @@ def sweep(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat
             print(f"    ({out_f}, {in_f}): ({entries}),  # {name}")
     print(f"sweep took {time.monotonic() - t0:.0f} s", flush=True)
     return rows
+
+
+def launch_cost_fit(best: Sequence[dict]) -> tuple[float, float] | None:
+    """(fixed us a call, TB/s) of the least-squares line time = fixed + bytes / rate through the best rows of one
+    N (dicts with "us" and "bytes"), or None with fewer than 3 distinct sizes: how much of a product's time its
+    bytes explain and how much is a per-launch cost that no inner loop removes (docs/benchmarks.md, fourteenth
+    session: 2.3 us + bytes / 3.55 TB/s at N = 1 on the H200)."""
+    if len({r["bytes"] for r in best}) < 3:
+        return None
+    a = torch.tensor([[r["bytes"] / 1e6, 1.0] for r in best], dtype=torch.float64)
+    slope, fixed = torch.linalg.lstsq(a, torch.tensor([[r["us"]] for r in best], dtype=torch.float64)).solution[:, 0]
+    return float(fixed), 1.0 / float(slope)
 
 
 def sweep_prefill(device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16) -> None:
