@@ -42,7 +42,8 @@ def test_mma_asm_emulated_against_a_plain_dot(token_sets: int) -> None:
     tokens = 8 * token_sets
     x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(token_sets)).bfloat16()
     x_pairs = x.view(torch.int32).numpy().astype(np.int64) & 0xFFFFFFFF  # [token, 64] bf16 pairs
-    f16_pairs = np.array([[run_warp(BF16_TO_F16_ASM, [[int(p)]], first_in=1, outputs=1)[0][0] for p in row] for row in x_pairs])
+    f16_pairs = np.array([[run_warp(BF16_TO_F16_ASM, [[int(p)]], first_in=1, outputs=1)[0][0] for p in row]
+                          for row in x_pairs])
     words = codes.view(np.uint32)                                         # [row, 32] little-endian words
     inputs = []
     for lane in range(32):
@@ -138,6 +139,9 @@ def test_mma_kernel_builds_for_sm90() -> None:
     for tiles, warps, sets in ((1, 4, 1), (2, 2, 1), (1, 8, 2)):
         rep = sass_report(tiles, warps, sets)
         ops = rep["loop_ops"]
+        # the asm's 8-element packs are one lane's 4 words of rows g and g + 8, lanes 4 g + t as in mma.sync
+        assert rep["asm_layout"] == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [warps, 1],
+                                     "order": [1, 0]}, rep
         assert rep["spills"] == 0 and not {"LDS", "STS", "BAR", "SHFL"} & set(ops), rep
         assert ops.get("HMMA", 0) == 8 * tiles * sets, rep
         assert ops.get("F2FP", 0) == 32 * tiles + 16 * sets, rep   # weights: a pair each; x: a pair each

@@ -64,8 +64,9 @@ _SCRIPT = textwrap.dedent("""
     import moebox.ops.triton.index_scores as kernel
     from tests.test_triton_index_scores import case, compare, reference
     results = []
-    for i, (b, h, d, e, slots, dt) in enumerate([(3, 4, 32, 37, 5, torch.float32), (2, 20, 24, 130, 3, torch.float32),
-                                                 (3, 16, 16, 70, 4, torch.float16), (1, 64, 128, 65, 1, torch.float16)]):
+    shapes = [(3, 4, 32, 37, 5, torch.float32), (2, 20, 24, 130, 3, torch.float32),
+              (3, 16, 16, 70, 4, torch.float16), (1, 64, 128, 65, 1, torch.float16)]
+    for i, (b, h, d, e, slots, dt) in enumerate(shapes):
         inp = case(b, h, d, e, slots, dt, seed=i)
         out = torch.full((b, e), float("nan"))
         got = kernel.index_scores_triton(**inp, out=out)

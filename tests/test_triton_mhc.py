@@ -1,10 +1,10 @@
 """The fused mHC kernels (moebox/ops/triton/mhc.py) against the torch references (moebox/ops/mhc.py).
 
-- CPU: the dispatchers run the references off CUDA; the tiling choice (the gemv logits kernel for N <= 4, the
-  dot above or with MOEBOX_MHC_GEMV=0); argument checks; the kernels themselves in Triton's interpreter
+- CPU: the dispatchers run the references off CUDA; the tiling choice (the gemv logits kernel for N <= 16, the
+  dot above, or with MOEBOX_MHC_GEMV set lower); argument checks; the kernels themselves in Triton's interpreter
   (TRITON_INTERPRET=1 is read when triton is imported, so that check runs in a subprocess), fp32 and fp16, tiny
   shapes: hc 2, 3 (padded), 4; H 64, 80, 96, 256; both logits kernels (hc_pre and hc_head, the gemv at N 1 and 3,
-  the dot at N > 4 and forced at N 2); splits that do not divide K, several H blocks with a partial last one,
+  the dot at prefill sizes and forced at N 2); splits that do not divide K, several H blocks with a partial last one,
   several token tiles, strided X, iters 1 and 20.
 - GPU (marker `gpu`, skipped without CUDA): the V4-Flash shape (hc 4, H 4096) and tiny/odd ones, N in
   {1, 3, 16, 300}, fp32 and bf16, outputs poisoned with NaN (and the caching allocator's free blocks, which the
@@ -173,7 +173,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
             kernel = _config(cfg, Xh).logits_kernel
             covered.add(("hc_head", kernel, n))
             add(f"hc_head hc={hc} H={H} N={n} {dt} {kernel}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
-    for op in ("hc_pre", "hc_head"):   # both logits kernels: the gemv at N 1 and 3, the dot above 4
+    for op in ("hc_pre", "hc_head"):   # both logits kernels: the gemv at N 1 and 3, the dot at a prefill size
         assert {(op, "gemv", 1), (op, "gemv", 3)} <= covered, covered
         assert any(c[:2] == (op, "dot") and c[2] > 4 for c in covered), covered
 

@@ -40,7 +40,7 @@ def attention_kernel_takes(q: torch.Tensor, ring: object, entries: object) -> bo
     return isinstance(ring, torch.Tensor) and (entries is None or isinstance(entries, torch.Tensor))
 
 
-def attend_decode(q, ring, slot, visible, sink, scale, entries, rows, valid, rope=None) -> torch.Tensor:
+def attend_decode(q, ring, slot, visible, sink, scale, entries, rows, valid, rope) -> torch.Tensor:
     from moebox.ops.triton.decode_attention import attend_decode as kernel_or_torch
     return kernel_or_torch(q, ring, slot, visible, sink, scale, entries, rows, valid, rope)
 
@@ -329,8 +329,7 @@ class Attention:
                        cache: LayerCache) -> torch.Tensor:
         """The query half of a decode step: the indexer's top-k (CSA), then attention over the window and the
         selected (CSA) or all (HCA) entries, then the inverse RoPE; `stored` is what `_store_decode` returned.
-        With MOEBOX_ATTENTION_ROPE=1 (experimental, off) the attention kernel's combine applies the inverse
-        RoPE as it stores, one launch fewer a layer."""
+        The kernel path leaves the inverse RoPE to `attend_decode` (which can apply it in the kernel)."""
         cfg, slot, pos = self.cfg, batch.slots, batch.positions
         scale = cfg.head_dim ** -0.5
         keys, visible, valid = stored
@@ -340,16 +339,13 @@ class Attention:
                 qi, wi, _ = idx
                 rows, valid = index_select(qi, wi, self.index_scale, cache.index_keys, slot, valid, cfg.index_topk)
             entries = cache.entries
-        if keys is None and kernel_switched_on(q, "MOEBOX_ATTENTION_ROPE", default=False):
+        if keys is None:
             return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid,
                                  (pos, self.inv_freq))
-        if keys is None:
-            out = attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid)
-        else:
-            if entries is not None and rows is None:                  # HCA: every entry row
-                rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
-            out = attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid)
-        return apply_rope(out, pos, self.inv_freq, inverse=True)
+        if entries is not None and rows is None:                  # HCA: every entry row
+            rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
+        return apply_rope(attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid), pos,
+                          self.inv_freq, inverse=True)
 
     def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,
                   ring_gate, entries, finish: str | None) -> torch.Tensor:

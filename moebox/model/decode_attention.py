@@ -90,11 +90,10 @@ def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: t
     of `valid` are one Triton kernel (ops/triton/topk.py) for rows up to 16385 entries (64K tokens of context;
     6.4 against torch's 16.4 us a call at 4K on the H200, 29 against 78 at 64K), torch.topk for longer ones
     (not measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length. The
-    scores are one Triton kernel (ops/triton/index_scores.py: 2.7-4.0 against torch's 10.9-22.3 us a call at batch 1,
-    4K-64K, on the H200); MOEBOX_INDEX_KERNEL=0 takes the compiled torch function."""
+    scores are one Triton kernel (ops/triton/index_scores.py: 2.7-4.0 against torch's 10.9-22.3 us a call at
+    batch 1, 4K-64K, on the H200); MOEBOX_INDEX_KERNEL=0 takes the compiled torch function."""
     from moebox.ops.triton import index_scores as scorer
-    if kernel_switched_on(qi, "MOEBOX_INDEX_KERNEL") and scorer.supported(qi, wi, index_keys, slot,
-                                                                                          valid):
+    if kernel_switched_on(qi, "MOEBOX_INDEX_KERNEL") and scorer.supported(qi, wi, index_keys, slot, valid):
         scores = kernel_or_fallback("indexer scores", "MOEBOX_INDEX_KERNEL",
                                     lambda: scorer.index_scores_triton(qi, wi, scale, index_keys, slot, valid),
                                     lambda: index_scores(qi, wi, scale, index_keys, slot, valid))

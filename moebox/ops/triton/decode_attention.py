@@ -52,8 +52,8 @@ registers, 2 programs an SM, no spills, 82 KB shared memory, HMMA for all three 
 decode batches (`DECODE_CONFIG`) take 2 stages: the thirteenth session's `--sweep` on the H200 (batch 1 and 4,
 docs/benchmarks.md) found 2 stages faster than 3 for every kind (CSA 15.84 -> 14.44 us, HCA 13.23 -> 11.84 at
 batch 1) and no other tiling faster on CSA and HCA; batches of 5-8 also take twice the programs
-(`DECODE_CONFIG_8`, the fourteenth session's sweep at batch 8). At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is 11 / 7 / 3
-splits = 44 / 112 / 192 programs.
+(`DECODE_CONFIG_8`, the fourteenth session's sweep at batch 8). At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is
+11 / 7 / 3 splits = 44 / 112 / 192 programs.
 
 Bounds (`supported`): q [B, nh, d] fp32/bf16/fp16 with d % 16 == 0 and 16 <= d <= 1024 (padded to a power of
 two in registers), any nh (padded to a multiple of HB with masks), ring [S, R, d] and entries [S, E, d] plain
@@ -85,8 +85,8 @@ from typing import Sequence
 import torch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump, graph_us,  # noqa: F401
-                                       interpreting, kernel_or_fallback, next_pow2, num_sms, pdl_args, pdl_start,
-                                       plain_tensor, rel_err, tl, triton)
+                                       interpreting, kernel_or_fallback, kernel_switched_on, next_pow2, num_sms,
+                                       pdl_args, pdl_start, plain_tensor, rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
            "attend_decode", "random_inputs", "sass_report", "bench", "sweep"]
@@ -359,6 +359,8 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
                          f"{getattr(ring, 'shape', type(ring))}, entries {getattr(entries, 'shape', type(entries))}"
                          f" rows {None if rows is None else tuple(rows.shape)} (see `supported`)")
     b, nh, d = q.shape
+    if rope is not None and (tuple(rope[0].shape) != (b,) or 2 * rope[1].numel() > d):
+        raise ValueError(f"rope: positions must be [{b}] and inv_freq at most {d // 2} long")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif tuple(out.shape) != (b, nh, d) or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
@@ -388,8 +390,6 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         ent, rws, vmask, all_rows, s_rowb, s_es, s_er, s_vb = ring, wvis, wvis, True, 0, 0, 0, 0
     final = cfg.split == 1
     rd = 0 if rope is None else 2 * rope[1].numel()
-    if rd > d or (rope is not None and tuple(rope[0].shape) != (b,)):
-        raise ValueError(f"rope: positions must be [{b}] and inv_freq at most {d // 2} long")
     if final:
         po = pm = pl = out     # unused
     else:
@@ -437,16 +437,21 @@ def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: tor
                   valid: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                   ) -> torch.Tensor:
     """The dispatch the model uses: `attend_triton` where `supported` (and where it builds), else
-    `attend_reference` (then `apply_rope(..., inverse=True)` with `rope`)."""
-    def torch_path() -> torch.Tensor:
-        out = attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid)
-        if rope is None:
-            return out
+    `attend_reference`; with `rope` the output rotated back (`apply_rope(..., inverse=True)`), inside the
+    kernel's combine with MOEBOX_ATTENTION_ROPE=1 (experimental, off), else after it."""
+    def unrope(out: torch.Tensor) -> torch.Tensor:
         from moebox.ops.rope import apply_rope
-        return apply_rope(out, rope[0], rope[1], inverse=True)
+        return out if rope is None else apply_rope(out, rope[0], rope[1], inverse=True)
+
+    def torch_path() -> torch.Tensor:
+        return unrope(attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
+
+    def kernel() -> torch.Tensor:
+        if rope is not None and kernel_switched_on(q, "MOEBOX_ATTENTION_ROPE", default=False):
+            return attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid, rope=rope)
+        return unrope(attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
     if supported(q, ring, slot, window_visible, sink, entries, rows, valid):
-        return kernel_or_fallback("decode attention", "MOEBOX_ATTENTION_KERNEL", lambda: attend_triton(
-            q, ring, slot, window_visible, sink, scale, entries, rows, valid, rope=rope), torch_path)
+        return kernel_or_fallback("decode attention", "MOEBOX_ATTENTION_KERNEL", kernel, torch_path)
     return torch_path()
 
 

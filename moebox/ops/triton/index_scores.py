@@ -72,7 +72,8 @@ def supported(qi: torch.Tensor, wi: torch.Tensor, index_keys: object, slot: torc
     b, h, d = qi.shape
     return (qi.dtype in _DTYPES and index_keys.dtype == qi.dtype and wi.is_floating_point()
             and valid.dtype == torch.bool and slot.dtype in (torch.int32, torch.int64)
-            and tuple(wi.shape) == (b, h) and index_keys.shape[2] == d and tuple(valid.shape) == (b, index_keys.shape[1])
+            and tuple(wi.shape) == (b, h) and index_keys.shape[2] == d
+            and tuple(valid.shape) == (b, index_keys.shape[1])
             and slot.shape[0] == b and h <= 128 and d <= 256 and qi.stride(2) == 1 and index_keys.stride(2) == 1
             and qi.device == index_keys.device == wi.device == valid.device == slot.device)
 
@@ -82,8 +83,9 @@ def index_scores_triton(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_
     """The scores [B, E] fp32 (or filled into `out`, every element written); arguments as `supported` says."""
     if not supported(qi, wi, index_keys, slot, valid):
         raise ValueError("index_scores_triton: unsupported arguments (see the module doc's Bounds): qi "
-                         f"{tuple(qi.shape)} {qi.dtype}, wi {tuple(wi.shape)}, keys {getattr(index_keys, 'shape', None)} "
-                         f"{getattr(index_keys, 'dtype', None)}, slot {tuple(slot.shape)}, valid {tuple(valid.shape)}")
+                         f"{tuple(qi.shape)} {qi.dtype}, wi {tuple(wi.shape)}, keys "
+                         f"{getattr(index_keys, 'shape', None)} {getattr(index_keys, 'dtype', None)}, slot "
+                         f"{tuple(slot.shape)}, valid {tuple(valid.shape)}")
     b, h, d = qi.shape
     e = index_keys.shape[1]
     if out is None:
@@ -130,8 +132,9 @@ def bench(batches: tuple[int, ...] = (1, 4, 16), entries: tuple[int, ...] = (102
             inp = random_inputs(b, e, slots=b * copies)
             slots = [torch.arange(i * b, (i + 1) * b, device="cuda") for i in range(copies)]
             q, w, scale, keys, valid = (inp[k] for k in ("qi", "wi", "scale", "index_keys", "valid"))
-            err = rel_err(*(torch.nan_to_num(t, neginf=0.0) for t in (
-                index_scores_triton(q, w, scale, keys, slots[0], valid), index_scores(q, w, scale, keys, slots[0], valid))))
+            got = index_scores_triton(q, w, scale, keys, slots[0], valid)
+            ref = index_scores(q, w, scale, keys, slots[0], valid)
+            err = rel_err(torch.nan_to_num(got, neginf=0.0), torch.nan_to_num(ref, neginf=0.0))
             us = graph_us([lambda s=s: index_scores_triton(q, w, scale, keys, s, valid) for s in slots])
             us_ref = graph_us([lambda s=s: index_scores(q, w, scale, keys, s, valid) for s in slots])
             print(f"{b:3d} {e:7d} {copies:6d} | {us:9.2f} | {us_ref:8.2f} | {err:.1e}", flush=True)

@@ -13,10 +13,10 @@ hc_pre, X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (2
     "ieee", i.e. FMA, never TF32) and the tokens' sum of squares there, since rms_norm(z) @ fn^T =
     rsqrt(mean(z^2) + eps) * (z @ fn^T). Both go to the fp32 scratch ws [N, SPLIT, M_PAD] (the sum of squares
     in column M; M_PAD = next power of 2 > M, >= 16 for the dot): each partial written once, no atomics, no
-    zeroing. Decode (N <= 16; N <= 4 takes the gemv below): one 16-token tile (rows past N re-read row N-1,
-    from L1) and one 128-column K step per program, SPLIT = K / 128 = 128 programs, so all of fn is requested
-    at once by ~one program per SM (fn is what a decode call must stream). Prefill: 64-token tiles, SPLIT just
-    enough for ~one wave.
+    zeroing. Decode (N <= 16, when MOEBOX_MHC_GEMV leaves it this kernel): one 16-token tile (rows past N
+    re-read row N-1, from L1) and one 128-column K step per program, SPLIT = K / 128 = 128 programs, so all of
+    fn is requested at once by ~one program per SM (fn is what a decode call must stream). Prefill: 64-token
+    tiles, SPLIT just enough for ~one wave.
   Kernel A for N <= GEMV_MAX_N (16: all of decode), `_mix_logits_gemv_kernel`: the same partials on the CUDA
     cores, no tl.dot. A 16-token dot tile is mostly padding at small N (15/16 of it at N = 1) and the fp32
     "ieee" dot pays layout conversions besides (11.6 us an hc_pre at N = 1 on the H200, 7.1 with the gemv).
@@ -48,11 +48,10 @@ Triton's exp / rsqrt / division).
 
 Bytes and time: an hc_pre call moves fn (1.57 MB) + X (N*K*2 bytes bf16: 32 KB a token) + x; X is read by both
 kernels (B's read hits L2 at decode). At 4.3 TB/s that is ~0.4 us at N = 1..16, so decode is latency-bound:
-two launches, kernel A one DRAM round trip per program (plus, at N > 4, its FMA dot: 16 x 128 x 32 per program,
-the same at N = 5 as at 16), kernel B the longer of the x programs and the Sinkhorn program, a chain of 39
-dependent [hc, hc] normalisations (each 1-2 warp shuffles and a division; the sm_90 build has no shared memory
-and no barrier in that loop; ~1.5 us by instruction latencies, not yet timed). hc_post moves 2*N*K*2 + N*H*2
-bytes.
+two launches, kernel A one DRAM round trip per program (plus its FMAs: N x 128 x 24 a program in the gemv),
+kernel B the longer of the x programs and the Sinkhorn program, a chain of 39 dependent [hc, hc]
+normalisations (each 1-2 warp shuffles and a division; the sm_90 build has no shared memory and no barrier in
+that loop; ~1.5 us by instruction latencies, not yet timed). hc_post moves 2*N*K*2 + N*H*2 bytes.
 `bench` / `python -m moebox.ops.triton.mhc [--sweep]` times fused vs torch in CUDA-graph replay.
 
 CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch with torch.empty and launches

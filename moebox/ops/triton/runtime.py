@@ -163,6 +163,18 @@ def build_sm90(fn, sig: dict[str, str], const: dict[str, object], aligned: Seque
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def packed_asm_layout(ttgir: str) -> dict[str, list[int]]:
+    """The blocked layout (sizePerThread, threadsPerWarp, warpsPerCTA, order) Triton gave the result of a build's
+    8-element-packed inline asm (`tl.inline_asm_elementwise(..., pack=8)`): the lane map an mma asm relies on."""
+    import re
+    enc = re.search(r"tt\.elementwise_inline_asm[^\n]*packed_element = 8[^\n]*-> tensor<[^,]*, (#\w+)>", ttgir)
+    if enc is None:
+        raise ValueError("no 8-element-packed inline asm in the build")
+    line = re.search(rf"^{enc.group(1)} = (.*)$", ttgir, re.M).group(1)
+    return {key: [int(v) for v in re.search(rf"{key} = \[([^\]]*)\]", line).group(1).split(",")]
+            for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")}
+
+
 def loop_sass(cubin: bytes) -> tuple[dict[str, int], int, int, bool]:
     """(op counts of the longest loop's body, registers, spill stack bytes, whether there is a loop) of a compiled
     kernel's SASS: what the `--sass` reports compare between tilings on a machine without a GPU. The loop is the
@@ -210,7 +222,8 @@ else:
     pdl_start = None
 
 
-__all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "triton", "tl", "num_sms", "interpreting",
-           "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump", "loop_sass", "cdiv", "next_pow2", "plain_tensor",
-           "rel_err", "pdl_switched_on", "pdl_enabled", "pdl_args", "pdl_start"]
+__all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
+           "num_sms", "interpreting", "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump",
+           "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
+           "pdl_enabled", "pdl_args", "pdl_start"]
 

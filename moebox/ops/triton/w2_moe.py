@@ -105,7 +105,7 @@ from moebox.ops.moe import routed_experts
 from moebox.quant.w2 import W2Tensor
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, graph_us, interpreting, loop_sass,  # noqa: F401
-                                       pdl_args, pdl_start, tl, triton, versions)
+                                       packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -763,8 +763,6 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
     of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
-    import re
-
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
                                           "i32", "i32", "fp32")
@@ -777,15 +775,12 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
                           num_stages=1)
     ttgir = compiled.asm["ttgir"]
-    enc = re.search(r"tt\.elementwise_inline_asm.*?-> tensor<[^,]*, (#\w+)>", ttgir, re.S).group(1)
-    layout = {key: [int(v) for v in re.search(rf"^{enc} = .*?{key} = \[([^\]]*)\]", ttgir, re.M).group(1).split(",")]
-              for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")}
     steps = (16 if kernel == "gate_up" else 48) // split   # K steps of a warp; a loop of <= prefetch unrolls
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
     ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
     # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
     weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if looped else steps)
-    return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": layout,
+    return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": packed_asm_layout(ttgir),
             "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
             "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
 
