@@ -22,9 +22,8 @@ from moebox.model.decode_attention import attend, compress_step, index_select, w
 from moebox.ops.attention import local_sink_attention, sink_attention, tf32_products
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
-from moebox.ops.norm import rms_norm
 from moebox.ops.qat import round_index_vectors, round_kv_nope
-from moebox.ops.rope import apply_rope, norm_rope, rope_inv_freq
+from moebox.ops.rope import apply_rope, norm_rope, query_rope, rope_inv_freq
 from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
@@ -163,12 +162,11 @@ class Attention:
             if decode:
                 assert cache is not None, "a DecodeBatch needs a KVCache"
                 stored = self._store_decode(batch, kv, comp, icomp, cache)
-        qr = rms_norm(q_a, self.q_norm, cfg.rms_norm_eps)
-        q, *index_q = self.from_qr(qr)
-        q = norm_rope(q.view(n, cfg.num_heads, cfg.head_dim), None, cfg.rms_norm_eps, pos, self.inv_freq)
+        q, *index_q = self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))
+        qi = index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim) if self.indexer is not None else None
+        q, qi = query_rope(q.view(n, cfg.num_heads, cfg.head_dim), qi, pos, self.inv_freq, cfg.rms_norm_eps)
         idx = None
         if self.indexer is not None:
-            qi = apply_rope(index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim), pos, self.inv_freq)
             if self.qat:
                 qi = round_index_vectors(qi)
             idx = (qi, rest[2], icomp)

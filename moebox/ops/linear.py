@@ -12,10 +12,12 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
+from moebox.ops.norm import rms_norm
 from moebox.quant.w2 import W2Tensor
 from moebox.weights.formats import QuantTensor
 
 Weight = torch.Tensor | QuantTensor | W2Tensor
+Norm = tuple[torch.Tensor, float]   # (weight, eps) of an RMSNorm of x that a product applies first
 
 
 def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -50,10 +52,15 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
     return _on_rows(x, lambda rows: dense_gemv(rows, w, out_dtype))
 
 
-def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, norm: Norm | None = None) -> torch.Tensor:
+    """x W^T; with `norm` = (weight, eps), rms_norm(x, weight, eps) W^T. An FP8 weight on CUDA takes the norm
+    into its kernel call, whose single-split decode GEMV fuses it (one launch fewer at batch 1); every other
+    path norms x first."""
     if x.is_cuda and isinstance(w, QuantTensor) and w.kind == "fp8":
         from moebox.ops.triton.fp8_linear import fp8_linear
-        return _on_rows(x, lambda rows: fp8_linear(rows, w))
+        return _on_rows(x, lambda rows: fp8_linear(rows, w, norm=norm))
+    if norm is not None:
+        x = rms_norm(x, *norm)
     if _dense_gemv_takes(x, w):
         return _gemv(x, w, x.dtype)
     return F.linear(x, dense_weight(w, x.dtype))
@@ -94,11 +101,15 @@ class SharedInputLinear:
         self.rows = [w.shape[0] for w in weights]
         self.parts = [(idx, _stack_rows([weights[i] for i in idx])) for idx in groups.values()]
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x @ w.T for each weight, in the order given (column slices of a shared product are views)."""
+    def __call__(self, x: torch.Tensor, norm: Norm | None = None) -> list[torch.Tensor]:
+        """x @ w.T for each weight, in the order given (column slices of a shared product are views); with `norm`
+        = (weight, eps), of rms_norm(x, weight, eps): one product takes it along (see `linear`), several share
+        x normed once."""
+        if norm is not None and len(self.parts) > 1:
+            x, norm = rms_norm(x, *norm), None
         out: list[torch.Tensor] = [x] * len(self.rows)
         for idx, w in self.parts:
-            for i, y in zip(idx, linear(x, w).split([self.rows[i] for i in idx], dim=-1)):
+            for i, y in zip(idx, linear(x, w, norm).split([self.rows[i] for i in idx], dim=-1)):
                 out[i] = y
         return out
 

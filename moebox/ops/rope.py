@@ -2,6 +2,11 @@
 
 RoPE covers the *trailing* `rope_dim` channels of a vector; channels (2i, 2i+1) form one complex pair.
 Sliding layers use plain RoPE (theta 1e4); compressed layers use theta 1.6e5 with YaRN and no mscale.
+
+`query_rope` (an attention layer's queries: q normed then rotated, the indexer's qi rotated) dispatches: CUDA
+decode-size inputs (up to 16 tokens; outside autograd and torch.compile tracing) take the one-launch Triton
+kernel (moebox/ops/triton/rope.py; `MOEBOX_ROPE_KERNEL=0` turns it off), everything else `norm_rope` and
+`apply_rope`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import torch
 from moebox.config import YarnScaling
 from moebox.ops.fuse import fused
 from moebox.ops.norm import rms_norm
+
+KERNEL_MAX_ROWS = 16   # tokens
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None) -> torch.Tensor:
@@ -57,3 +64,19 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, position
     """RMSNorm then RoPE, as one compiled function (one kernel on the GPU rather than two): every key, query and
     compressed entry of V4 is normed then rotated."""
     return apply_rope(rms_norm(x, weight, eps), positions, inv_freq)
+
+
+def _kernel_takes(q: torch.Tensor, qi: torch.Tensor | None) -> bool:
+    from moebox.ops.triton.runtime import decode_kernel_takes
+    return decode_kernel_takes(q, "MOEBOX_ROPE_KERNEL", KERNEL_MAX_ROWS * q.shape[-2], qi)   # q [N, H, D]
+
+
+def query_rope(q: torch.Tensor, qi: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(norm_rope(q) without weight, apply_rope(qi)) for q [N, Hq, Dq] and qi [N, Hi, Di] or None (no indexer):
+    the queries of an attention layer, in one launch at decode sizes on CUDA."""
+    if _kernel_takes(q, qi):
+        from moebox.ops.triton.rope import query_rope_triton
+        return query_rope_triton(q, qi, positions, inv_freq, eps)
+    return (norm_rope(q, None, eps, positions, inv_freq),
+            None if qi is None else apply_rope(qi, positions, inv_freq))

@@ -48,6 +48,16 @@ reached only 7-29% of the copy bandwidth there on the H200 (CUDA-graph replay, N
   - Masks: rows past out and tokens past N are clamped to the last row (loaded, never stored); full K steps
     load with no mask, the partial last step (in % BLOCK_K != 0) is masked along K; stores are masked, so
     every element of `out` is written exactly once.
+  - RMSNorm (NORM, `fp8_linear_triton(..., norm=(weight, eps))`): attention normalises its q latent right
+    before the wq_b product, and at batch 1 that norm was a launch of its own (5.2 us in a timeline on the
+    H200). With NORM a program multiplies each x chunk by the norm weight as it loads it, sums the chunk's
+    squares beside, and scales its dot products by 1 / rms(x) at the end: no pass over x before the weight
+    stream (a first version read the row first; in the fifteenth session's timelines the two took 20.6 and
+    20.3 us for wq_b, both beside the key branch's product, so neither was measured alone). It needs the
+    whole row in one program, so only single-split GEMVs fuse it (`fuses_norm`); the others get rms_norm(x)
+    first. The normed x is not rounded to x's dtype before the product as the unfused path rounds it: the
+    results differ by that rounding (~2^-9 relative per element in bf16, averaging out in the sums). NORM
+    off compiles to the plain kernel.
 
 Dot, `_fp8_linear_kernel` (prefill, N > 16; decode N in (GEMV_MAX_N, 16] by default):
   - The program computes acc[BLOCK_O, BLOCK_N] = W8_tile [BLOCK_O, 128] @ x_tile^T [128, BLOCK_N] with tl.dot,
@@ -135,6 +145,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from moebox.ops.norm import rms_norm
 from moebox.weights.formats import QuantTensor
 
 from moebox.ops.triton.fp8_mma import launch_mma, mma_takes
@@ -412,10 +423,10 @@ if HAVE_TRITON:
     # the tail mask).
     @triton.jit(do_not_specialize=["N", "OUT", "ROWS", "STEPS_PER_SPLIT", "stride_so", "stride_yn", "stride_yg",
                                    "stride_ys"])
-    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, OUT, ROWS, IN, STEPS_PER_SPLIT,
-                         stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys,
+    def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, OUT, ROWS, IN, STEPS_PER_SPLIT,
+                         stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys, eps,
                          BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         KC: tl.constexpr = BLOCK_K // 16   # 16-column chunks per row and K step (16 bytes of FP8)
         pid_n = tl.program_id(0)
@@ -435,6 +446,9 @@ if HAVE_TRITON:
         x_rows = tl.minimum(pid_n * BLOCK_N + xr // KC, N - 1)
         x_cols = (xr % KC) * 16
         x_ptrs = x_ptr + (x_rows.to(tl.int64) * stride_xn + x_cols)[:, None] + vec[None, :]
+        if NORM:   # the RMSNorm: x * weight in the loop, its sum of squares beside, 1 / rms applied at the end
+            nw_ptrs = nw_ptr + x_cols[:, None] + vec[None, :]
+            ss = tl.zeros((BLOCK_N * KC, 16), dtype=tl.float32)
         step0 = pid_k * STEPS_PER_SPLIT
         step1 = tl.minimum(step0 + STEPS_PER_SPLIT, tl.cdiv(IN, BLOCK_K))
         full = tl.minimum(step1, IN // BLOCK_K)
@@ -442,16 +456,27 @@ if HAVE_TRITON:
         for step in tl.range(step0, full, num_stages=NUM_STAGES):  # full steps: no masks
             k0 = step * BLOCK_K
             x = tl.load(x_ptrs + k0)
+            if NORM:
+                x = x.to(tl.float32)
+                ss += x * x
+                x = x * tl.load(nw_ptrs + k0).to(tl.float32)
             w = tl.load(w_ptrs + k0)
             sb = tl.load(s_ptrs + k0 // 128) if SCALED else 0
             acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
         if full < step1:  # the partial last step is in this split
             k0 = full * BLOCK_K
-            x = tl.load(x_ptrs + k0, mask=(k0 + x_cols)[:, None] + vec[None, :] < IN, other=0.0)
+            mask_x = (k0 + x_cols)[:, None] + vec[None, :] < IN
+            x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0)
+            if NORM:
+                x = x.to(tl.float32)
+                ss += x * x
+                x = x * tl.load(nw_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs + k0, mask=(k0 + w_cols)[:, None] + vec[None, :] < IN, other=0.0)
             sb = tl.load(s_ptrs + k0 // 128, mask=k0 + w_cols < IN, other=0) if SCALED else 0
             acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
         y = tl.sum(acc, axis=2)   # [BN, BO]: across the lanes and warps, once
+        if NORM:   # the whole row was this program's (one split): its mean square is complete
+            y = y * (1.0 / tl.sqrt(tl.sum(tl.reshape(ss, (BLOCK_N, KC * 16)), axis=1) / IN + eps))[:, None]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
         y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_n.to(tl.int64)[:, None] * stride_yn + offs_o[None, :]
@@ -537,19 +562,34 @@ def _kernel_weight(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-                      config: Fp8Config | None = None) -> torch.Tensor:
+                      config: Fp8Config | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The Triton path. x [N, in] bf16/fp16/fp32 (any row stride), w QuantTensor fp8 (data [out, in] e4m3 with
     contiguous rows, scale E8M0 [ceil(out/128), ceil(in/128)]); returns (or fills, every element) `out`
-    [N, out] in x's dtype. `config` overrides the kernel and tiling (split_k 0 = automatic). Runs on CUDA, or
-    on CPU tensors under TRITON_INTERPRET=1."""
+    [N, out] in x's dtype. `config` overrides the kernel and tiling (split_k 0 = automatic). `norm` = (weight
+    [in], eps): the product of rms_norm(x, weight, eps) instead, fused into the GEMV where `fuses_norm`. Runs on
+    CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, out_f, in_f = _check(x, w)
     _check_dtype(x)
+    _check_norm(norm, in_f)
     out = _out(x, out, n, out_f)
     if x.stride(1) != 1:
         x = x.contiguous()
-    return _run(x, w, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), config)
+    return _run(x, w, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), config, norm)
+
+
+def _check_norm(norm: tuple[torch.Tensor, float] | None, in_f: int) -> None:
+    if norm is not None and tuple(norm[0].shape) != (in_f,):
+        raise ValueError(f"the norm weight must be [{in_f}], got {tuple(norm[0].shape)}")
+
+
+def fuses_norm(cfg: Fp8Config, scale: torch.Tensor | None, in_f: int) -> bool:
+    """Whether a call with `norm` runs the RMSNorm inside the kernel (else rms_norm runs first, a launch of its
+    own): only the FP8 GEMV without split-K, whose programs see each token's whole row, so they can sum its
+    squares as they stream it and scale their sums by 1 / rms at the end; the mma and dot kernels feed x to the
+    tensor cores as it is in memory."""
+    return cfg.kernel == "gemv" and scale is not None and _even_split(-(-in_f // cfg.block_k), cfg.split_k) == 1
 
 
 def _check_dtype(x: torch.Tensor) -> None:
@@ -558,10 +598,12 @@ def _check_dtype(x: torch.Tensor) -> None:
 
 
 def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: int, out_f: int, rows: int,
-         in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], config: Fp8Config | None) -> torch.Tensor:
+         in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], config: Fp8Config | None,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """What the plain, the grouped and the dense call share once x and out are checked: the empty cases, the
     tiling (the one for the whole [out_f, in] weight, or `config`), the launch. A float weight (`dense_gemv`) has
-    no scales and runs the GEMV only, by default with the GEMV heuristic for its element size."""
+    no scales and runs the GEMV only, by default with the GEMV heuristic for its element size. `norm` (plain
+    calls only: x [N, in]): fused when `fuses_norm`, else rms_norm(x) first."""
     if n == 0 or out_f == 0:
         return out
     if in_f == 0:
@@ -579,16 +621,20 @@ def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: i
         raise ValueError(f"a float weight takes GEMV configs only: {cfg}")
     if rows != out_f and rows % cfg.block_o:
         raise ValueError(f"block_o {cfg.block_o} must divide the {rows} rows of a group: {cfg}")
-    _launch(x, data, scale, out, n, out_f, rows, in_f, x_strides, out_strides, cfg)
+    if norm is not None and not fuses_norm(cfg, scale, in_f):
+        x, norm = rms_norm(x, *norm).contiguous(), None
+        x_strides = (x.stride(0), 0)
+    _launch(x, data, scale, out, n, out_f, rows, in_f, x_strides, out_strides, cfg, norm)
     return out
 
 
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, n: int, out_f: int,
-            rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config) -> None:
+            rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config,
+            norm: tuple[torch.Tensor, float] | None = None) -> None:
     """The kernel launch (+ the split-K sum) for out_f output rows in groups of `rows` (one group: rows = out_f):
     group i reads x[n] at x + n * x_strides[0] + i * x_strides[1] and writes out[n] at out + n * out_strides[0]
     + i * out_strides[1] (x and out with unit column stride). cfg.block_o divides rows when there are groups.
-    scale None: a float weight (`dense_gemv`), GEMV only."""
+    scale None: a float weight (`dense_gemv`), GEMV only. norm: the GEMV's fused RMSNorm (`fuses_norm`)."""
     steps = -(-in_f // cfg.block_k)   # K steps (the dot kernel's are the 128-column blocks)
     split = _even_split(steps, cfg.split_k)
     per_split = -(-steps // split)
@@ -604,11 +650,13 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
                    cfg.block_o, cfg.num_warps, cfg.num_stages == 2)
     elif cfg.kernel == "gemv":
         scaled = scale is not None
+        nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (x, 0.0)
         _fp8_gemv_kernel[grid](
-            x, data, scale if scaled else data, y, n, out_f, rows, in_f, per_split,
+            x, data, scale if scaled else data, y, nw, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,
-            stride_ys, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-            SCALED=scaled, num_warps=cfg.num_warps, num_stages=1, **pdl)
+            stride_ys, eps, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
+            NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, num_warps=cfg.num_warps, num_stages=1,
+            **pdl)
     else:
         if x.dtype == torch.float32:
             terms = 2
@@ -631,9 +679,14 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
 
 
 def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-                         config: Fp8Config | None = None) -> torch.Tensor:
-    """The torch reference: dequantize w to fp32, F.linear in fp32, cast back to x's dtype (same arguments)."""
-    n, out_f, _ = _check(x, w)
+                         config: Fp8Config | None = None, norm: tuple[torch.Tensor, float] | None = None
+                         ) -> torch.Tensor:
+    """The torch reference: dequantize w to fp32, F.linear in fp32, cast back to x's dtype (same arguments;
+    `norm`: rms_norm(x) first)."""
+    n, out_f, in_f = _check(x, w)
+    _check_norm(norm, in_f)
+    if norm is not None:
+        x = rms_norm(x, *norm)
     y = F.linear(x.float(), w.dequantize(torch.float32)).to(x.dtype)
     if out is not None:
         return _out(x, out, n, out_f).copy_(y)
@@ -641,10 +694,10 @@ def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | No
 
 
 def fp8_linear(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-               config: Fp8Config | None = None) -> torch.Tensor:
+               config: Fp8Config | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Dispatcher: the Triton kernel for CUDA tensors (when triton imports), the torch reference elsewhere."""
     fn = fp8_linear_triton if (x.is_cuda and HAVE_TRITON) else fp8_linear_reference
-    return fn(x, w, out=out, config=config)
+    return fn(x, w, out=out, config=config, norm=norm)
 
 
 _DENSE_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)

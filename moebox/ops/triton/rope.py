@@ -1,0 +1,149 @@
+"""The query path of an attention layer after the `from_qr` product in one Triton launch: per head RMSNorm then
+RoPE of the q heads, RoPE alone of the indexer's qi heads (CSA layers).
+
+Why: at batch 1 a decode step is bound by its chain of dependent launches (~2 us each on the H200). The torch
+path costs three inductor kernels a CSA layer (`norm_rope(q)`: a reduction then a pointwise; `apply_rope(qi)`:
+one more), two elsewhere; here one launch does both. Grid (N, q head blocks + qi head blocks): a program takes
+BH heads of one token, the whole head in registers; its block index says whether they are q or qi heads.
+V4-Flash: q 2 heads x 512 a program, qi 8 x 128, so 32 + 8 programs a token, 4 warps (sm_90 build: 52
+registers, nothing spilled).
+
+Arithmetic as `moebox.ops.rope.norm_rope` / `apply_rope`: the norm in fp32 (sum of squares / D, rsqrt, times
+the optional weight), rounded to the input dtype, then the trailing RD channels rotated in fp32 in interleaved
+pairs (2i, 2i+1) by cos/sin of fp32 positions * inv_freq, rounded again. The pair partner of rope channel r is
+loaded a second time at r ^ 1 (no reshape): out[r] = x[r] cos -/+ x[r ^ 1] sin (- for even r). FMA contraction
+off, cos/sin libdevice's (full range reduction; the interpreter: numpy): results differ from the torch path
+only by the order of the sum of squares and the last bit of rsqrt and cos/sin, i.e. by an ulp (of a normed
+value, then of the rotation) where a value sits at a rounding midpoint.
+
+Bounds: q [N, Hq, Dq] and qi [N, Hi, Di] (or None) fp32/bf16/fp16 with unit column stride and any token / head
+strides (column slices of one product's rows are read in place); positions [N] int; inv_freq [RD/2] fp32,
+RD <= Dq and Di; weight None or [Dq]. `moebox.ops.rope.query_rope` takes this path for CUDA decode-size
+inputs (up to 16 tokens) outside autograd and torch.compile tracing; `MOEBOX_ROPE_KERNEL=0` keeps torch.
+CUDA graphs: a call allocates its outputs with torch.empty and launches one kernel; no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, interpreting, next_pow2, pdl_args, pdl_start, tl, triton
+
+TILE = 1024   # elements a program holds (heads per program: TILE // padded head width, at least 1)
+
+if HAVE_TRITON:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _cos_sin(f, PRECISE: tl.constexpr):
+        """(cos f, sin f): libdevice's on CUDA (accurate at large angles), tl's (numpy) in the interpreter."""
+        if PRECISE:
+            return libdevice.cos(f), libdevice.sin(f)
+        else:
+            return tl.cos(f), tl.sin(f)
+
+    @triton.jit
+    def _normed(x, rstd, w_ptrs, mask, HAS_WEIGHT: tl.constexpr):
+        """x * rstd (* weight) in fp32, rounded to x's dtype as `rms_norm` returns it."""
+        y = x.to(tl.float32) * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+        return y.to(x.dtype)
+
+    @triton.jit
+    def _rope_heads(x_ptr, y_ptr, w_ptr, inv_ptr, n, pos, hb, H, stride_n, stride_h, eps, D: tl.constexpr,
+                    D_PAD: tl.constexpr, RD: tl.constexpr, RD_PAD: tl.constexpr, BH: tl.constexpr,
+                    NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, PRECISE: tl.constexpr):
+        """Heads hb*BH.. of token n: (NORM: RMSNorm, rounded, then) RoPE of the last RD channels, into y [N, H, D]."""
+        heads = hb * BH + tl.arange(0, BH)
+        hm = (heads < H)[:, None]
+        src = x_ptr + n * stride_n + heads[:, None] * stride_h
+        dst = y_ptr + (n * H + heads[:, None]) * D
+        cols = tl.arange(0, D_PAD)[None, :]
+        r = tl.arange(0, RD_PAD)
+        rc = (D - RD + r)[None, :]              # rope channels
+        pc = (D - RD + (r ^ 1))[None, :]        # their pair partners
+        m = hm & (cols < D)
+        rm = hm & (r < RD)[None, :]
+        x = tl.load(src + cols, mask=m, other=0.0)
+        xr = tl.load(src + rc, mask=rm, other=0.0)
+        xp = tl.load(src + pc, mask=rm, other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+            x = _normed(x, rstd, w_ptr + cols, cols < D, HAS_WEIGHT)
+            xr = _normed(xr, rstd, w_ptr + rc, rm, HAS_WEIGHT)
+            xp = _normed(xp, rstd, w_ptr + pc, rm, HAS_WEIGHT)
+        cos, sin = _cos_sin(pos * tl.load(inv_ptr + r // 2, mask=r < RD, other=0.0), PRECISE)
+        sin = tl.where(r % 2 == 0, -sin, sin)
+        rot = xr.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]
+        tl.store(dst + cols, x, mask=m & (cols < D - RD))
+        tl.store(dst + rc, rot.to(y_ptr.dtype.element_ty), mask=rm)
+
+    @triton.jit
+    def _query_rope_kernel(q_ptr, qo_ptr, w_ptr, qi_ptr, qio_ptr, pos_ptr, inv_ptr, HQ, HI, NQB, sq_n, sq_h,
+                           si_n, si_h, eps, DQ: tl.constexpr, DQ_PAD: tl.constexpr, BHQ: tl.constexpr,
+                           DI: tl.constexpr, DI_PAD: tl.constexpr, BHI: tl.constexpr, RD: tl.constexpr,
+                           RD_PAD: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_QI: tl.constexpr,
+                           PRECISE: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        pos = tl.load(pos_ptr + n).to(tl.float32)
+        if hb < NQB:    # q heads: normed then rotated
+            _rope_heads(q_ptr, qo_ptr, w_ptr, inv_ptr, n, pos, hb, HQ, sq_n, sq_h, eps, DQ, DQ_PAD, RD, RD_PAD,
+                        BHQ, True, HAS_WEIGHT, PRECISE)
+        else:
+            if HAS_QI:  # qi heads: rotated only
+                _rope_heads(qi_ptr, qio_ptr, w_ptr, inv_ptr, n, pos, hb - NQB, HI, si_n, si_h, eps, DI, DI_PAD, RD,
+                            RD_PAD, BHI, False, False, PRECISE)
+
+
+def _heads(t: torch.Tensor, rd: int, name: str) -> torch.Tensor:
+    """t [N, H, D] with unit column stride (copied otherwise), checked against the rope width."""
+    if t.dim() != 3 or t.shape[-1] < rd:
+        raise ValueError(f"{name} must be [N, H, D] with D >= {rd}, got {tuple(t.shape)}")
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _block(h: int, d: int) -> tuple[int, int]:
+    """(padded head width, heads per program)."""
+    d_pad = next_pow2(d)
+    return d_pad, min(next_pow2(h), max(1, TILE // d_pad))
+
+
+def query_rope_triton(q: torch.Tensor, qi: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
+                      eps: float, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rope(rms_norm(q, weight, eps)), rope(qi)) as `norm_rope` / `apply_rope` compute them, new contiguous
+    tensors in the inputs' dtypes, in one launch. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    rd = 2 * inv_freq.numel()
+    q = _heads(q, rd, "q")
+    n, hq, dq = q.shape
+    if weight is not None and tuple(weight.shape) != (dq,):
+        raise ValueError(f"weight must be [{dq}], got {tuple(weight.shape)}")
+    if positions.shape != (n,):
+        raise ValueError(f"positions must be [{n}], got {tuple(positions.shape)}")
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    qio = None
+    if qi is not None:
+        qi = _heads(qi, rd, "qi")
+        if qi.shape[0] != n:
+            raise ValueError(f"qi must have {n} rows, got {tuple(qi.shape)}")
+        qio = torch.empty(qi.shape, dtype=qi.dtype, device=qi.device)
+    if n == 0:
+        return qo, qio
+    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    dq_pad, bhq = _block(hq, dq)
+    nqb = cdiv(hq, bhq)
+    hi, di = (qi.shape[1], qi.shape[2]) if qi is not None else (0, rd)
+    di_pad, bhi = _block(max(hi, 1), di)
+    ii = qi if qi is not None else q     # stands in for the absent qi (never read)
+    fusion = {} if interpreting() else {"enable_fp_fusion": False}
+    _query_rope_kernel[(n, nqb + cdiv(hi, bhi))](
+        q, qo, q if weight is None else weight, ii, qio if qio is not None else qo, positions.contiguous(),
+        inv_freq, hq, hi, nqb, q.stride(0), q.stride(1), ii.stride(0), ii.stride(1), eps, DQ=dq, DQ_PAD=dq_pad,
+        BHQ=bhq, DI=di, DI_PAD=di_pad, BHI=bhi, RD=rd, RD_PAD=next_pow2(rd), HAS_WEIGHT=weight is not None,
+        HAS_QI=qi is not None, PRECISE=q.is_cuda, num_warps=4, **fusion, **pdl_args(q))
+    return qo, qio
