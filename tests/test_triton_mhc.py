@@ -22,7 +22,9 @@ import torch
 
 from moebox.ops import mhc
 from moebox.ops.attention import matmul_tf32
-from moebox.ops.mhc import hc_head, hc_head_reference, hc_post, hc_post_reference, hc_pre, hc_pre_reference
+from moebox.ops.mhc import (hc_head, hc_head_reference, hc_post, hc_post_chain, hc_post_reference, hc_pre,
+                            hc_pre_reference)
+from moebox.ops.norm import rms_norm_reference
 
 from tests.interpreter import check_in_interpreter
 
@@ -68,6 +70,19 @@ def test_dispatchers_run_the_references_on_cpu() -> None:
     Xh, fnh, bh, sh = site(3, 4, 16, seed=3, head=True)
     assert torch.equal(hc_head(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6),
                        hc_head_reference(Xh, fnh, bh, sh, eps=1e-6, norm_eps=1e-6))
+
+
+def test_chain_dispatchers_run_the_references_on_cpu() -> None:
+    """hc_pre with the sub-block's norm and hc_post_chain off CUDA: the references, no partials."""
+    X, fn, base, scale = site(3, 4, 16, seed=1)
+    w = torch.rand(16) + 0.5
+    x, post, comb = hc_pre(X, fn, base, scale, **KW, norm=w)
+    ref = hc_pre_reference(X, fn, base, scale, **KW)
+    assert torch.equal(x, rms_norm_reference(ref[0], w, 1e-6)) and torch.equal(post, ref[1])
+    out, Xp, post, comb = post_inputs(3, 4, 16, seed=2)
+    addend = torch.randn(3, 16)
+    Y, partials = hc_post_chain(out, Xp, post, comb, addend=addend, next_fn=fn)
+    assert partials is None and torch.equal(Y, hc_post_reference(out + addend, Xp, post, comb))
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -186,6 +201,38 @@ _INTERPRETER_CHECK = textwrap.dedent("""
         got = hc_post_triton(out, X, post.t().contiguous().t() if i == 0 else post, comb, into=y, config=cfg)
         ref = hc_post_reference(out, X, post, comb)
         add(f"hc_post hc={hc} H={H} N={n} {dt} {cfg}", got, ref, y, 1e-3 if dt == torch.float16 else 1e-6)
+
+    # the decode chain: hc_pre with the sub-block's norm (its partials computed first), hc_post with an addend
+    # writing the next site's partials, the next hc_pre from them; H 96: 3 partial blocks, 80: a partial last
+    # one; hc 3 padded; case 1 with post/comb as a launch of their own; N 17: past the chain (no partials, the
+    # norm apart)
+    from moebox.ops.norm import rms_norm_reference
+    from moebox.ops.triton.mhc import hc_post_chain_triton
+    for i, (hc, H, n, dt) in enumerate([(4, 96, 1, torch.float32), (3, 64, 3, torch.float32),
+                                        (4, 80, 2, torch.float16), (2, 64, 17, torch.float32)]):
+        X, fn, base, scale = site(n, hc, H, dt, seed=30 + i)
+        _, fn2, base2, scale2 = site(n, hc, H, dt, seed=40 + i)
+        w = (torch.rand(H, generator=torch.Generator().manual_seed(i)) + 0.5).to(dt)
+        kw = dict(iters=20, eps=1e-6, norm_eps=1e-6)
+        tol = 1e-3 if dt == torch.float16 else 1e-6
+        name = f"chain hc={hc} H={H} N={n} {dt}"
+        into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
+        got = hc_pre_triton(X, fn, base, scale, **kw, into=into, norm=w,
+                            coeffs_branch=Branch(X, "mhc") if i == 1 else None)
+        ref = hc_pre_reference(X, fn, base, scale, **kw)
+        ref = (rms_norm_reference(ref[0], w, 1e-6), *ref[1:])
+        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol, 4e-6, 4e-6)):
+            add(f"{name}: pre {out}", g, r, b, t)
+        out, addend = torch.randn(n, H).to(dt), torch.randn(n, H).to(dt)
+        Y, ws = hc_post_chain_triton(out, X, got[1], got[2], addend=addend, next_fn=fn2)
+        assert (ws is None) == (n > 16)
+        add(f"{name}: post + addend", Y, hc_post_reference(out + addend, X, got[1], got[2]), Y, tol)
+        into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
+        got = hc_pre_triton(Y, fn2, base2, scale2, **kw, into=into, norm=w, partials=ws)
+        ref = hc_pre_reference(Y, fn2, base2, scale2, **kw)
+        ref = (rms_norm_reference(ref[0], w, 1e-6), *ref[1:])
+        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol, 4e-6, 4e-6)):
+            add(f"{name}: pre from partials {out}", g, r, b, t)
     print("RESULT " + json.dumps(results))
 """)
 
@@ -303,6 +350,44 @@ def test_gpu_hc_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
     torch.cuda.synchronize()
     assert got.data_ptr() == y.data_ptr()
     _assert_x_close(got, ref, X)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 16, 17])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decode_chain(n: int, dtype: torch.dtype) -> None:
+    """Two mHC sites of the V4 shape as a decode step runs them: hc_pre with the norm (post/comb on a side
+    stream), hc_post_chain with the shared expert's addend writing the next site's partials, hc_pre from
+    them; outputs poisoned. N = 17 is past the chain: no partials, the norm apart, same results."""
+    from moebox.ops.streams import Branch
+    from moebox.ops.triton.mhc import hc_post_chain_triton, hc_pre_triton
+    hc, hidden = 4, 4096
+    X, fn, base, scale = site(n, hc, hidden, dtype, "cuda", seed=n)
+    _, fn2, base2, scale2 = site(n, hc, hidden, dtype, "cuda", seed=n + 1)
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    out, addend = (torch.randn(n, hidden, device="cuda").to(dtype) for _ in range(2))
+
+    def pre(X: torch.Tensor, fn, base, scale, partials) -> tuple[torch.Tensor, ...]:
+        _poison_allocator()
+        branch = Branch(X, "mhc", purpose="mhc")
+        got = hc_pre_triton(X, fn, base, scale, **KW, norm=w, partials=partials, coeffs_branch=branch)
+        branch.join()
+        torch.cuda.synchronize()
+        with matmul_tf32(False):
+            ref = hc_pre_reference(X, fn, base, scale, **KW)
+        ref_x = rms_norm_reference(ref[0], w, 1e-6)
+        assert torch.isfinite(got[0]).all() and rel_err(got[0], ref_x) < (4e-3 if dtype == torch.bfloat16 else 1e-5)
+        assert float((got[1] - ref[1]).abs().max()) < 2e-5 and float((got[2] - ref[2]).abs().max()) < 2e-5
+        return got
+
+    _, post, comb = pre(X, fn, base, scale, None)
+    Y, partials = hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=fn2)
+    torch.cuda.synchronize()
+    assert (partials is None) == (n > 16)
+    with matmul_tf32(False):
+        assert rel_err(Y, hc_post_reference(out + addend, X, post, comb)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    pre(Y, fn2, base2, scale2, partials)
 
 
 @pytest.mark.gpu

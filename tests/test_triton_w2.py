@@ -102,7 +102,7 @@ _INTERPRETER_SETUP = textwrap.dedent("""
     import dataclasses, json, os, sys, torch
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, sys.argv[1])
-    from moebox.ops.triton.w2_moe import (DecodeConfig, layer_views, random_planes, random_routing,
+    from moebox.ops.triton.w2_moe import (DecodeConfig, layer_views, pack_x_ahead, random_planes, random_routing,
                                           stack_planes, w2_moe_decode_reference, w2_moe_decode_split,
                                           w2_moe_decode_triton)
     from moebox.quant.w2 import from_float
@@ -136,10 +136,16 @@ _INTERPRETER_SETUP = textwrap.dedent("""
         for i, planes in enumerate(experts):
             raw = b"".join(bytes(p) for p in slot_buffers(planes, shape))
             buf[i, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        y = w2_moe_decode_split(x, ids, w, *layer_views(buf, hidden, inter), 10.0, config=cfg)
+        views = layer_views(buf, hidden, inter)
+        y = w2_moe_decode_split(x, ids, w, *views, 10.0, config=cfg)
         results.append(dict(case=["layer views", hidden, inter, cfg.variant], same_buffer=True,
                             finite=bool(torch.isfinite(y).all()), rel=float((y - ref).norm() / ref.norm()),
                             ref_norm=float(ref.norm())))
+        # x packed ahead (as the model packs it beside the routing): the mma kernels read it, bit for bit
+        packed = pack_x_ahead(x, views[0], views[2], views[4], config=cfg)
+        assert (packed is not None) == (cfg.variant == "mma" and hidden % 256 == 0), (packed, cfg)
+        if packed is not None:
+            assert torch.equal(w2_moe_decode_split(x, ids, w, *views, 10.0, config=cfg, packed=packed), y)
 """)
 
 _INTERPRETER_MMA = _INTERPRETER_SETUP + textwrap.dedent("""

@@ -57,7 +57,7 @@ class MTPBlock:
         e = rms_norm(self.embed[batch.tokens].to(hidden.dtype), self.enorm, eps)
         h = rms_norm(hidden, self.hnorm, eps)
         X = linear(e, self.e_proj).unsqueeze(1) + linear(h, self.h_proj)
-        X = self.block(X, batch, cache)
+        X, _ = self.block(X, batch, cache)
         rows = batch.last_rows() if logits_rows is None else logits_rows
         return ForwardOutput(self.out(X[rows]), X)
 
@@ -72,6 +72,8 @@ class DeepseekV4:
                               get("norm.weight"), head)
         self.layers = [Block(cfg, get, f"layers.{i}.", kind=cfg.attn_types[i], ratio=cfg.compress_ratios[i],
                              is_hash=cfg.hash_layers[i], qat=qat) for i in range(cfg.num_layers)]
+        for block, after in zip(self.layers, self.layers[1:]):
+            block.next_fn = after.hc_attn[0]
         self.mtp = [MTPBlock(cfg, get, f"mtp.{j}.", qat, self.embed, head)
                     for j in range(cfg.num_mtp_layers if load_mtp else 0)]
 
@@ -83,8 +85,9 @@ class DeepseekV4:
             raise ValueError("a DecodeBatch, or a segment starting after position 0, needs a KVCache")
         X = self.embed[batch.tokens].to(self.dtype)
         X = X.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        partials = None   # a decode step's mHC chain: each block's last hc_post feeds the next one's hc_pre
         for i, layer in enumerate(self.layers):
-            X = layer(X, batch, cache.layers[i] if cache is not None else None)
+            X, partials = layer(X, batch, cache.layers[i] if cache is not None else None, partials)
         rows = batch.last_rows() if logits_rows is None else logits_rows
         return ForwardOutput(self.out(X[rows]), X)
 

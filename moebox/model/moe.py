@@ -41,14 +41,20 @@ class MoE:
             self.layer_planes = None
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        out, shared = self.parts(x, tokens)
+        return out if shared is None else out + shared
+
+    def parts(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the routed experts' output, the shared expert's or None): their sum is the layer's output, which the
+        block's hc_post adds in its own launch."""
         if self.shared_in is None:
-            return self.routed(x, tokens)
+            return self.routed(x, tokens), None
         # at decode the shared expert runs on a side stream next to the routing and the routed experts
         with Branch(x, "moe", reads=(x,), enabled=x.shape[0] <= DECODE_TOKENS) as shared_branch:
             shared = self.shared_expert(x)
         out = self.routed(x, tokens)
         shared_branch.join()
-        return out + shared
+        return out, shared
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], weights [N, k] fp32). A decode batch of a scored layer on CUDA routes its logits in
@@ -67,16 +73,20 @@ class MoE:
 
     def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
+        kernels = self.layer_planes is not None and x.is_cuda
+        if kernels:
+            from moebox.ops.triton.w2_moe import layer_views, pack_x_ahead, w2_moe_decode_split
+            views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
+            decode = x.shape[0] <= DECODE_TOKENS
+            packed = pack_x_ahead(x, views[0], views[2], views[4]) if decode else None   # beside the routing
         idx, w = self.route(x, tokens)
         if self.on_route is not None:
             self.on_route(idx)
         reference = lambda: routed_experts(x, idx, w, self.experts.__getitem__, cfg.swiglu_limit)  # noqa: E731
-        if self.layer_planes is None or not x.is_cuda:
+        if not kernels:
             return reference()
-        from moebox.ops.triton.w2_moe import layer_views, w2_moe_decode_split
-        views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
-        if x.shape[0] <= DECODE_TOKENS:
-            return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit)
+        if decode:
+            return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit, packed=packed)
         if not kernel_switched_on(x, "MOEBOX_W2_PREFILL_KERNEL"):
             return reference()
         from moebox.ops.triton.w2_moe_prefill import w2_moe_prefill_split

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moebox.ops.fuse import fused
-from moebox.ops.norm import rms_norm_reference
+from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
 
 
@@ -31,13 +31,18 @@ def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | Non
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
-           norm_eps: float, coeffs_branch: Branch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           norm_eps: float, coeffs_branch: Branch | None = None, norm: torch.Tensor | None = None,
+           partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32). The fused path
-    computes post and comb on `coeffs_branch`'s side stream when it is on: use them after its join()."""
+    computes post and comb on `coeffs_branch`'s side stream when it is on: use them after its join().
+    `norm`: the sub-block's RMSNorm weight; the input comes back normed, rms_norm(x, norm, norm_eps) (at
+    decode the fused path does it in the same launch). `partials`: what `hc_post_chain` returned for this
+    site's fn (the fused path's; None: computed here)."""
     if (f := _fused(X)) is not None:
         return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps,
-                               coeffs_branch=coeffs_branch)
-    return hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
+                               coeffs_branch=coeffs_branch, norm=norm, partials=partials)
+    x, post, comb = hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
+    return (x if norm is None else rms_norm(x, norm, norm_eps)), post, comb
 
 
 def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -45,6 +50,17 @@ def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.
     if (f := _fused(X, out)) is not None:
         return f.hc_post_triton(out, X, post, comb)
     return hc_post_reference(out, X, post, comb)
+
+
+def hc_post_chain(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+                  addend: torch.Tensor | None = None, next_fn: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hc_post of out + addend (None: out alone) -> (X_new, partials for the next site's hc_pre, whose fn is
+    `next_fn`, or None). The fused decode path writes both in one launch (moebox/ops/triton/mhc.py: the
+    decode chain); elsewhere the partials are None and hc_pre computes its logits itself."""
+    if (f := _fused(X, out)) is not None and (addend is None or f.fused_supported(X, addend)):
+        return f.hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=next_fn)
+    return hc_post_reference(out if addend is None else out + addend, X, post, comb), None
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,

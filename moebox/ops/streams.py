@@ -6,7 +6,7 @@ which stores this step's keys and pools the compressors' entries, and its query 
 40 MB of weights; an mHC site's post/comb coefficients, which only its hc_post needs, and the sub-block). On
 two streams the small kernels of one run in the gaps of the other, and a CUDA graph captures both as parallel
 branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain); `MOEBOX_OVERLAP=moe` (or
-`attention`, `mhc`, or a comma list) only the branches of those names.
+`attention`, `mhc`, `pack`, or a comma list) only the branches of those names.
 
 The tensors the branch reads from the main stream are passed as `reads`: the branch holds them until `join`.
 The caching allocator hands a freed block to the next allocation on the stream that allocated it, so a tensor

@@ -1,5 +1,6 @@
 """Fused mHC (manifold-constrained hyper-connections, deepseek_v4.md §2.2) on the GPU: hc_pre in 2 Triton
-kernels, hc_post in 1, hc_head in 2, where the torch references launch ~140, ~7 and ~17 kernels.
+kernels, hc_post in 1, hc_head in 2, where the torch references launch ~140, ~7 and ~17 kernels; at decode
+(the "chain", below) a whole site is 2 launches on the main stream, the sub-block's RMSNorm included.
 
 Why: a V4-Flash decode step calls hc_pre and hc_post twice per layer (43 layers: 86 of each). The torch
 hc_pre is ~140 tiny kernels (each of the 20 Sinkhorn iterations is 2 x (sum, add, div)); at ~1.1 us per kernel
@@ -41,6 +42,24 @@ hc_post, `_post_kernel` (grid (N, H / BLOCK_H), elementwise, memory-bound): X_ne
   ONE rounding to X's dtype (the reference rounds 3 times in bf16: product, matmul, sum), so bf16 results
   differ from it by ~1 ulp on some elements; fp32 agrees to fp32 rounding.
 
+The decode chain (N <= GEMV_MAX_N, `chain_takes`; the model's `Block` runs it): a decode step was ~4 mHC
+launches a site on the main stream (kernel A, kernel B's x, the sub-block's RMSNorm, hc_post), each ~2-4 us
+at batch 1 on the H200, 86 sites a step. In the chain:
+  - `hc_post_chain_triton`: the `_post_kernel` program that writes X_new's columns hs (CHAIN_BLOCK_H = 32 of
+    them: 128 programs a token, each reading a 12 KB slice of the next site's fn) also computes the NEXT
+    site's kernel-A partials over those columns, from X_new as rounded: ws[n, s, :M] = X_new[:, hs] .
+    fn[:, :, hs] and, instead of a sum of squares, the hc x hc Gram matrix G[j, k] = X_new[j, hs] .
+    X_new[k, hs] (rows padded to `partials_width`). It also adds the shared expert's output to the routed one
+    (`addend`, rounded to X's dtype as `out + shared` is): one launch fewer again.
+  - `hc_pre_triton(..., norm=w, partials=ws)`: kernel B alone. Its sum of squares is trace(G), and the
+    sub-block's RMSNorm of x = sum_j pre_j X[j] needs mean(x^2) = pre^T G pre / H: every x program has it
+    from the partials, so x comes out normed (rounded to X's dtype first, then times rsqrt(. + eps) and the
+    weight, as rms_norm(x) computes it; the mean square is from x before that rounding: ~1e-5 relative).
+  - A step's first site, and the MTP block's, get their partials from `hc_partials_triton` (the same kernel
+    without the post), the last one writes none (the head computes its own).
+  Per site on the main stream: kernel B and hc_post, 2 launches where there were 4 (fifteenth session:
+  batch 1 5.91 -> 5.59 ms with the other launch cuts of that session, docs/benchmarks.md).
+
 Bounds: any hc (padded to a power of 2 with masks), H, N (N = 0 gives empty outputs), iters >= 0; X must be
 [N, hc, H] fp32/bf16/fp16 and hc_post's out of X's dtype and shape [N, H], else the dispatchers run the
 reference. Results differ from the reference only by fp32 rounding order (partial sums, tree reductions,
@@ -55,7 +74,7 @@ that loop; ~1.5 us by instruction latencies, not yet timed). hc_post moves 2*N*K
 `bench` / `python -m moebox.ops.triton.mhc [--sweep]` times fused vs torch in CUDA-graph replay.
 
 CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch with torch.empty and launches
-2 kernels (hc_pre, hc_head) or 1 (hc_post); no host sync, no data-dependent shapes.
+2 kernels (hc_pre, hc_head; 1 for hc_pre with partials) or 1 (hc_post); no host sync, no data-dependent shapes.
 """
 
 from __future__ import annotations
@@ -67,6 +86,7 @@ from typing import Sequence
 import torch
 
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
+from moebox.ops.norm import rms_norm_reference
 from moebox.ops.streams import Branch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, graph_us, next_pow2,  # noqa: F401
@@ -108,6 +128,7 @@ MAX_SPLIT = 256  # kernel B loads all partials of a token as one [next_pow2(spli
 # up to GEMV_TILE_N tokens (a tile's registers: 144 at 4 tokens in the sm_90 build, no spills).
 GEMV_MAX_N = 16
 GEMV_TILE_N = 4
+CHAIN_BLOCK_H = 32   # columns of a chain partials program: 128 a token at H = 4096, each reading 12 KB of fn
 
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
@@ -226,14 +247,17 @@ if HAVE_TRITON:
         _store_partials(ws_ptr, acc, sq, offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD)
 
     @triton.jit
-    def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+    def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, norm_ptr,
                     H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
                     HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
-                    S_PAD: tl.constexpr, BLOCK_H: tl.constexpr, COEFFS: tl.constexpr, PDL: tl.constexpr):
-        """Per token n: the logits from the partials (M of them; the sum of squares in column M). COEFFS:
-        program 0 computes post and the Sinkhorn-normalised comb (first, so the longest dependency chain starts
-        first); every other program computes x over its BLOCK_H columns (with COEFFS and one program a token,
-        only post and comb)."""
+                    S_PAD: tl.constexpr, BLOCK_H: tl.constexpr, COEFFS: tl.constexpr, GRAM: tl.constexpr,
+                    NORM: tl.constexpr, PDL: tl.constexpr):
+        """Per token n: the logits from the partials (M of them; then the sum of squares in column M, or with
+        GRAM the streams' Gram matrix G[j, k] = X[j] . X[k] in columns M + j * HC + k; M_PAD: a partial row's
+        length). COEFFS: program 0 computes post and the Sinkhorn-normalised comb (first, so the longest
+        dependency chain starts first); every other program computes x over its BLOCK_H columns (with COEFFS
+        and one program a token, only post and comb). NORM (needs GRAM): x comes out RMS-normed with the weight
+        at norm_ptr; its mean square is pre^T G pre / H, so no program needs the whole row."""
         pdl_start(PDL)
         n = tl.program_id(0)
         ph = tl.program_id(1) - (1 if COEFFS else 0)   # the H block of an x program; -1: post/comb
@@ -242,7 +266,13 @@ if HAVE_TRITON:
         ms = offs_s < SPLIT
         mj = offs_j < HC
         ws_n = ws_ptr + (n.to(tl.int64) * SPLIT + offs_s) * M_PAD                       # [S_PAD]
-        sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0), axis=0)
+        if GRAM:
+            jk = offs_j[:, None] * HC + offs_j[None, :]
+            g = tl.sum(tl.load(ws_n[:, None, None] + M + jk[None, :, :],
+                               mask=ms[:, None, None] & (mj[:, None] & mj[None, :])[None, :, :], other=0.0), axis=0)
+            sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
+        else:
+            sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0), axis=0)
         rs = 1.0 / tl.sqrt(sumsq / K + norm_eps)
         if ph >= 0:
             pre_l = tl.sum(tl.load(ws_n[:, None] + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0),
@@ -254,6 +284,11 @@ if HAVE_TRITON:
             Xt = tl.load(X_ptr + n.to(tl.int64) * stride_Xn + offs_j[:, None] * H + hh[None, :],
                          mask=mj[:, None] & mh[None, :], other=0.0).to(tl.float32)
             x = tl.sum(pre[:, None] * Xt, axis=0)
+            if NORM:   # rms_norm(x rounded to X's dtype, weight); the mean square from G, before that rounding
+                pm = tl.where(mj, pre, 0.0)
+                ms_x = tl.sum(tl.sum(pm[:, None] * g * pm[None, :], axis=1), axis=0) / H
+                w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
+                x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
             tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
         elif COEFFS:
             post_l = tl.sum(tl.load(ws_n[:, None] + HC + offs_j[None, :], mask=ms[:, None] & mj[None, :],
@@ -277,26 +312,52 @@ if HAVE_TRITON:
             tl.store(comb_ptr + n.to(tl.int64) * (HC * HC) + jk, c, mask=valid)
 
     @triton.jit
-    def _post_kernel(o_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, H, stride_on, stride_Xn, stride_yn,
-                     stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
-                     HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-        """y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h]; coefficients rounded to X's dtype."""
+    def _post_kernel(o_ptr, a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, H,
+                     stride_on, stride_an, stride_Xn, stride_yn, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
+                     stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                     W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr,
+                     PARTIALS: tl.constexpr, PDL: tl.constexpr):
+        """POST: y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h] over BLOCK_H columns,
+        coefficients rounded to X's dtype (ADD: o is the sum o + a, rounded to X's dtype, as the block adds
+        the shared expert's output to the routed one). PARTIALS: then the next site's partials of y as
+        rounded (without POST: of X itself): ws[n, s, :M] = y[:, hs] . fn[:, :, hs] for this program's columns
+        hs, and ws[n, s, M + j * HC + k] = y[j, hs] . y[k, hs] (the Gram matrix, from which `_mix_kernel`
+        gets both rms_norms)."""
         pdl_start(PDL)
         n = tl.program_id(0).to(tl.int64)
-        hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        s = tl.program_id(1)
+        hh = s * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_k = tl.arange(0, HC_PAD)
         mh = hh < H
         mk = offs_k < HC
         dt = X_ptr.dtype.element_ty
-        p = tl.load(post_ptr + n * stride_pn + offs_k * stride_pk, mask=mk, other=0.0).to(dt).to(tl.float32)
-        o = tl.load(o_ptr + n * stride_on + hh, mask=mh, other=0.0).to(tl.float32)
-        acc = p[:, None] * o[None, :]
-        for j in tl.static_range(HC):
-            c = tl.load(comb_ptr + n * stride_cn + j * stride_cj + offs_k * stride_ck, mask=mk, other=0.0)
-            xj = tl.load(X_ptr + n * stride_Xn + j * H + hh, mask=mh, other=0.0).to(tl.float32)
-            acc += c.to(dt).to(tl.float32)[:, None] * xj[None, :]
-        y = y_ptr + n * stride_yn + offs_k[:, None] * H + hh[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mk[:, None] & mh[None, :])
+        if POST:
+            p = tl.load(post_ptr + n * stride_pn + offs_k * stride_pk, mask=mk, other=0.0).to(dt).to(tl.float32)
+            o = tl.load(o_ptr + n * stride_on + hh, mask=mh, other=0.0).to(tl.float32)
+            if ADD:
+                o = (o + tl.load(a_ptr + n * stride_an + hh, mask=mh, other=0.0).to(tl.float32)).to(dt)
+                o = o.to(tl.float32)
+            acc = p[:, None] * o[None, :]
+            for j in tl.static_range(HC):
+                c = tl.load(comb_ptr + n * stride_cn + j * stride_cj + offs_k * stride_ck, mask=mk, other=0.0)
+                xj = tl.load(X_ptr + n * stride_Xn + j * H + hh, mask=mh, other=0.0).to(tl.float32)
+                acc += c.to(dt).to(tl.float32)[:, None] * xj[None, :]
+            y = acc.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + n * stride_yn + offs_k[:, None] * H + hh[None, :], y, mask=mk[:, None] & mh[None, :])
+            v = tl.where(mk[:, None], y.to(tl.float32), 0.0)
+        else:
+            v = tl.load(X_ptr + n * stride_Xn + offs_k[:, None] * H + hh[None, :], mask=mk[:, None] & mh[None, :],
+                        other=0.0).to(tl.float32)
+        if PARTIALS:
+            offs_m = tl.arange(0, M_PAD)
+            mm = offs_m < M
+            f = tl.load(fn_ptr + offs_m.to(tl.int64)[:, None, None] * stride_fm + (offs_k[:, None] * H + hh[None, :]
+                        )[None, :, :], mask=mm[:, None, None] & (mk[:, None] & mh[None, :])[None, :, :], other=0.0)
+            logits = tl.sum(tl.sum(f * v[None, :, :], axis=2), axis=1)
+            gram = tl.sum(v[:, None, :] * v[None, :, :], axis=2)
+            row = ws_ptr + (n * tl.num_programs(1) + s) * W_PAD
+            tl.store(row + offs_m, logits, mask=mm)
+            tl.store(row + M + offs_k[:, None] * HC + offs_k[None, :], gram, mask=mk[:, None] & mk[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -359,18 +420,20 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tup
 
 def _mix(X: torch.Tensor, ws: torch.Tensor, m: int, m_pad: int, base: torch.Tensor, scale: torch.Tensor,
          x: torch.Tensor | None, post: torch.Tensor | None, comb: torch.Tensor | None, cfg: HcConfig, iters: int,
-         eps: float, norm_eps: float) -> None:
-    """Kernel B: x (unless None) and post, comb (unless None: hc_head, or launched apart)."""
+         eps: float, norm_eps: float, norm: torch.Tensor | None = None, gram: bool = False) -> None:
+    """Kernel B: x (unless None; RMS-normed with `norm` unless None, which needs `gram` partials) and post, comb
+    (unless None: hc_head, or launched apart). m_pad: the length of a partial row of ws [N, split, m_pad]."""
     n, hc, hidden = X.shape
     coeffs = post is not None
     block_h = _block_h(cfg.block_h, cfg.mix_warps, X.dtype, hidden)
     h_blocks = cdiv(hidden, block_h) if x is not None else 0
     some = x if x is not None else post
+    split = ws.shape[1]
     _mix_kernel[(n, h_blocks + coeffs)](
         X, ws, _rows(base), _rows(scale), some, post if coeffs else some, comb if coeffs else some,
-        hidden, hc * hidden, cfg.split, iters, eps, norm_eps, X.stride(0), some.stride(0),
-        HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=m_pad, S_PAD=next_pow2(cfg.split), BLOCK_H=block_h,
-        COEFFS=coeffs, num_warps=cfg.mix_warps, **pdl_args(X))
+        some if norm is None else norm, hidden, hc * hidden, split, iters, eps, norm_eps, X.stride(0),
+        some.stride(0), HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=m_pad, S_PAD=next_pow2(split), BLOCK_H=block_h,
+        COEFFS=coeffs, GRAM=gram, NORM=norm is not None, num_warps=cfg.mix_warps, **pdl_args(X))
 
 
 def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
@@ -382,13 +445,17 @@ def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
 def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
                   eps: float, norm_eps: float, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                   config: HcConfig | None = None, coeffs_branch: Branch | None = None,
+                  norm: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused hc_pre: X [N, hc, H] -> (x [N, H] in X's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32), as
     `hc_pre_reference`. `into` = (x, post, comb) buffers to fill (every element written). Runs on CUDA, or on
     CPU tensors under TRITON_INTERPRET=1. `coeffs_branch`: post and comb, which only hc_post needs, are a
     launch of their own in that `Branch` (on its side stream when it is on): the Sinkhorn chain is the longest
     program of kernel B, so x, which the sub-block needs next, comes one program-length sooner. Use post and
-    comb after the branch's join()."""
+    comb after the branch's join().
+    `norm`: x comes out as rms_norm(x, norm, norm_eps). At decode sizes (`chain_takes`) kernel B does it from
+    Gram partials, which `partials` (from `hc_post_chain_triton` with this site's fn) brings along, so hc_pre
+    is then that one launch (else `hc_partials_triton` computes them first); larger N norm apart."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -403,15 +470,109 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if n == 0:
         return x, post, comb
     cfg = _config(config, X)
-    ws, m_pad = _mix_logits(X, fn, m, cfg)
+    gram = norm is not None and (partials is not None or chain_takes(X))
+    if gram:
+        if norm.shape != (hidden,):
+            raise ValueError(f"norm must be [{hidden}], got {tuple(norm.shape)}")
+        ws = hc_partials_triton(X, fn) if partials is None else _check_partials(partials, n, m, hc)
+        m_pad = ws.shape[2]
+    else:
+        ws, m_pad = _mix_logits(X, fn, m, cfg)
+    mix = dict(norm=norm if gram else None, gram=gram)
     if coeffs_branch is None:
-        _mix(X, ws, m, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps)
-        return x, post, comb
-    _mix(X, ws, m, m_pad, base, scale, x, None, None, cfg, iters, eps, norm_eps)
-    with coeffs_branch:
-        _mix(X, ws, m, m_pad, base, scale, None, post, comb, cfg, iters, eps, norm_eps)
-    coeffs_branch.hold(ws)
+        _mix(X, ws, m, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps, **mix)
+    else:
+        _mix(X, ws, m, m_pad, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        with coeffs_branch:
+            _mix(X, ws, m, m_pad, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
+        coeffs_branch.hold(ws)
+    if norm is not None and not gram:   # past the chain's sizes: the norm apart
+        from moebox.ops.norm import rms_norm
+        x = rms_norm(x, norm, norm_eps) if bx is None else x.copy_(rms_norm(x, norm, norm_eps))
     return x, post, comb
+
+
+def chain_takes(X: torch.Tensor) -> bool:
+    """Whether mHC's decode chain takes these streams [N, hc, H]: N <= GEMV_MAX_N (decode sizes), where each
+    site's hc_pre is one launch (logits and both rms_norms from partials that the previous hc_post wrote)."""
+    return 0 < X.shape[0] <= GEMV_MAX_N
+
+
+def partials_width(m: int, hc: int) -> int:
+    """The length of a chain partial row: m logits and the hc x hc Gram matrix, padded to a power of 2."""
+    return next_pow2(m + hc * hc)
+
+
+def _check_partials(ws: torch.Tensor, n: int, m: int, hc: int) -> torch.Tensor:
+    if ws.dim() != 3 or ws.shape[0] != n or ws.shape[2] != partials_width(m, hc) or ws.dtype != torch.float32:
+        raise ValueError(f"partials must be [{n}, splits, {partials_width(m, hc)}] fp32 (hc_post_chain_triton's "
+                         f"for a fn of {m} rows), got {tuple(ws.shape)} {ws.dtype}")
+    return ws
+
+
+def hc_partials_triton(X: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """The chain partials of streams X [N, hc, H] for fn [M, hc*H]: ws [N, H / CHAIN_BLOCK_H, partials_width]
+    fp32, row s holding the M logits and the Gram matrix over columns s * CHAIN_BLOCK_H.. (a decode step's
+    first site; the others get them from the hc_post before)."""
+    return _post(None, None, X, None, None, fn)[1]
+
+
+def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+                   into: torch.Tensor | None = None, config: PostConfig | None = None) -> torch.Tensor:
+    """Fused hc_post: X_new [N, hc, H] in X's dtype (out [N, H] of X's dtype, post [N, hc], comb [N, hc, hc]),
+    as `hc_post_reference`. `into`: the X_new buffer to fill; it must not alias X."""
+    return _post(out, None, X, post, comb, None, into, config)[0]
+
+
+def hc_post_chain_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+                         addend: torch.Tensor | None = None, next_fn: torch.Tensor | None = None,
+                         config: PostConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hc_post_triton of out + addend (rounded to X's dtype, as `out + addend`) -> (X_new, the next site's
+    chain partials for its fn `next_fn`, or None: no next_fn, or N past `chain_takes`), in one launch.
+    `config`: its tiling (with partials, block_h 0 means CHAIN_BLOCK_H)."""
+    return _post(out, addend, X, post, comb, next_fn if chain_takes(X) else None, config=config)
+
+
+def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor, post: torch.Tensor | None,
+          comb: torch.Tensor | None, fn: torch.Tensor | None, into: torch.Tensor | None = None,
+          config: PostConfig | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The `_post_kernel` launch: hc_post (unless out is None) and the chain partials for fn (unless None)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    X = _streams(X)
+    n, hc, hidden = X.shape
+    y = ws = None
+    if out is not None:
+        if not fused_supported(X, out) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc) or (
+                addend is not None and not fused_supported(X, addend)):
+            raise ValueError(f"shapes/dtypes: out {tuple(out.shape)} {out.dtype}, X {tuple(X.shape)} {X.dtype}, "
+                             f"post {tuple(post.shape)}, comb {tuple(comb.shape)}")
+        y = _filled(into, (n, hc, hidden), X.dtype, X.device, "X_new")
+    m = 0
+    if fn is not None:
+        fn = _rows(fn)
+        m = fn.shape[0]
+        if fn.shape[1] != hc * hidden:
+            raise ValueError(f"fn must be [M, {hc * hidden}], got {tuple(fn.shape)}")
+    if n == 0 or hidden == 0:
+        return y, None if fn is None else torch.empty((n, 0, partials_width(m, hc)), device=X.device)
+    cfg = config or PostConfig()
+    block_h = (cfg.block_h or CHAIN_BLOCK_H) if fn is not None else _block_h(cfg.block_h, cfg.num_warps, X.dtype,
+                                                                           hidden)
+    blocks = cdiv(hidden, block_h)
+    if fn is not None:
+        ws = torch.empty((n, blocks, partials_width(m, hc)), dtype=torch.float32, device=X.device)
+    o = _rows(out) if out is not None else X
+    a = _rows(addend) if addend is not None else o
+    p, c = (post, comb) if out is not None else (X, X)
+    _post_kernel[(n, blocks)](
+        o, a, X, p, c, y if y is not None else X, fn if fn is not None else X, ws if ws is not None else X, hidden,
+        o.stride(0), a.stride(0), X.stride(0), y.stride(0) if y is not None else 0,
+        *(p.stride(0), p.stride(1), c.stride(0), c.stride(1), c.stride(2)) if out is not None else (0,) * 5,
+        fn.stride(0) if fn is not None else 0, HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=next_pow2(max(m, 1)),
+        W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None, ADD=addend is not None,
+        PARTIALS=fn is not None, num_warps=cfg.num_warps, **pdl_args(X))
+    return y, ws
 
 
 def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
@@ -432,30 +593,6 @@ def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     return y
 
 
-def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-                   into: torch.Tensor | None = None, config: PostConfig | None = None) -> torch.Tensor:
-    """Fused hc_post: X_new [N, hc, H] in X's dtype (out [N, H] of X's dtype, post [N, hc], comb [N, hc, hc]),
-    as `hc_post_reference`. `into`: the X_new buffer to fill; it must not alias X."""
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed")
-    X = _streams(X)
-    n, hc, hidden = X.shape
-    if not fused_supported(X, out) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc):
-        raise ValueError(f"shapes/dtypes: out {tuple(out.shape)} {out.dtype}, X {tuple(X.shape)} {X.dtype}, "
-                         f"post {tuple(post.shape)}, comb {tuple(comb.shape)}")
-    y = _filled(into, (n, hc, hidden), X.dtype, X.device, "X_new")
-    if n == 0 or hidden == 0:
-        return y
-    cfg = config or PostConfig()
-    block_h = _block_h(cfg.block_h, cfg.num_warps, X.dtype, hidden)
-    out = _rows(out)
-    _post_kernel[(n, cdiv(hidden, block_h))](
-        out, X, post, comb, y, hidden, out.stride(0), X.stride(0), y.stride(0),
-        post.stride(0), post.stride(1), comb.stride(0), comb.stride(1), comb.stride(2),
-        HC=hc, HC_PAD=next_pow2(hc), BLOCK_H=block_h, num_warps=cfg.num_warps, **pdl_args(X))
-    return y
-
-
 # ----------------------------------------------------------------------------------------------- bench
 def random_site(n: int, hc: int = 4, hidden: int = 4096, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = "cuda", seed: int = 0, head: bool = False) -> tuple[torch.Tensor, ...]:
@@ -471,7 +608,8 @@ def random_site(n: int, hc: int = 4, hidden: int = 4096, dtype: torch.dtype = to
 
 
 def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dtype: torch.dtype,
-             config: HcConfig | None, ops: Sequence[str], torch_ref: bool, l2_miss_bytes: int) -> list[dict]:
+             config: HcConfig | None, ops: Sequence[str], torch_ref: bool, l2_miss_bytes: int,
+             post_config: PostConfig | None = None) -> list[dict]:
     """The bench rows of one N (its inputs are freed on return)."""
     kw = dict(iters=iters, eps=1e-6, norm_eps=1e-6)
     esz = dtype.itemsize
@@ -482,15 +620,29 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
     sites = [random_site(n, hc, hidden, dtype, device, seed=i) for i in range(copies)]
     outs = [torch.randn((n, hidden), device=device).to(dtype) for _ in range(copies)]
     mixes = [hc_pre_reference(*site, **kw) for site in sites]
+    norm = torch.ones(hidden, device=device, dtype=dtype)
+
+    def chain(i: int) -> tuple[torch.Tensor, ...]:   # a decode site's mHC: hc_post writing the next partials
+        X_new, ws = hc_post_chain_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2], next_fn=sites[i][1],
+                                         config=post_config)
+        return hc_pre_triton(X_new, *sites[i][1:], **kw, norm=norm, partials=ws)
+
+    def chain_ref(i: int) -> tuple[torch.Tensor, ...]:
+        x, post, comb = hc_pre_reference(hc_post_reference(outs[i], sites[i][0], mixes[i][1], mixes[i][2]),
+                                         *sites[i][1:], **kw)
+        return rms_norm_reference(x, norm, kw["norm_eps"]), post, comb
+
     calls = {"hc_pre": (lambda i: hc_pre_triton(*sites[i], **kw, config=config),
                         lambda i: hc_pre_reference(*sites[i], **kw)),
              "hc_post": (lambda i: hc_post_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2]),
-                         lambda i: hc_post_reference(outs[i], sites[i][0], mixes[i][1], mixes[i][2]))}
+                         lambda i: hc_post_reference(outs[i], sites[i][0], mixes[i][1], mixes[i][2])),
+             "chain": (chain, chain_ref)}
+    nbytes["chain"] = nbytes["hc_pre"] + nbytes["hc_post"]
     rows = []
     for op in ops:
         fused, ref = calls[op]
         got, want = fused(0), ref(0)
-        err = max(rel_err(a, b) for a, b in zip(got, want)) if op == "hc_pre" else rel_err(got, want)
+        err = rel_err(got, want) if op == "hc_post" else max(rel_err(a, b) for a, b in zip(got, want))
         us = graph_us(each_copy(fused, copies))
         us_ref = graph_us(each_copy(ref, copies)) if torch_ref else float("nan")
         rows.append(dict(op=op, N=n, bytes=nbytes[op], us=us, GB_s=nbytes[op] / us / 1e3, torch_us=us_ref,
@@ -500,8 +652,8 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16, 2048), hc: int = 4,
           hidden: int = 4096, iters: int = 20, dtype: torch.dtype = torch.bfloat16, config: HcConfig | None = None,
-          ops: Sequence[str] = ("hc_pre", "hc_post"), torch_ref: bool = True, l2_miss_bytes: int = 192 << 20,
-          quiet: bool = False) -> list[dict]:
+          ops: Sequence[str] = ("hc_pre", "hc_post", "chain"), torch_ref: bool = True,
+          l2_miss_bytes: int = 192 << 20, quiet: bool = False, post_config: PostConfig | None = None) -> list[dict]:
     """hc_pre and hc_post, fused vs torch, each replayed from a CUDA graph of `copies` calls on distinct
     inputs (fn, X, out) totalling >= l2_miss_bytes, so each call reads its bytes from DRAM as consecutive
     layers do. GB/s = the bytes a call must move (fn + X read, x/post/comb written; X + out + post/comb read,
@@ -515,19 +667,21 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
               f"{'speedup':>7s}  rel err")
     rows = []
     for n in tokens:
-        for r in _bench_n(n, device, hc, hidden, iters, dtype, config, ops, torch_ref, l2_miss_bytes):
+        if n > GEMV_MAX_N:
+            ops = [op for op in ops if op != "chain"]   # decode sizes only
+        for r in _bench_n(n, device, hc, hidden, iters, dtype, config, ops, torch_ref, l2_miss_bytes, post_config):
             rows.append(r)
             if not quiet:
                 print(f"{r['op']:8s} {n:5d} {r['bytes'] / 1e6:7.2f}MB | {r['us']:9.2f} {r['GB_s']:6.0f} | "
                       f"{r['torch_us']:9.2f} {r['torch_GB_s']:6.0f} | {r['torch_us'] / r['us']:6.1f}x  "
                       f"{r['rel_err']:.1e}", flush=True)
         torch.cuda.empty_cache()
-    if not quiet and len(ops) == 2:
-        for n in (t for t in tokens if t <= 16):
-            fused = 86 * sum(r["us"] for r in rows if r["N"] == n)
-            ref = 86 * sum(r["torch_us"] for r in rows if r["N"] == n)
-            print(f"per decode step at N={n} (43 layers x 2 sites x (pre + post)): fused {fused:6.0f} us, "
-                  f"torch {ref:6.0f} us")
+    if not quiet and "chain" in ops:
+        for n in (t for t in tokens if t <= GEMV_MAX_N):
+            chained = 86 * sum(r["us"] for r in rows if r["N"] == n and r["op"] == "chain")
+            apart = 86 * sum(r["us"] for r in rows if r["N"] == n and r["op"] != "chain")
+            print(f"per decode step at N={n} (43 layers x 2 sites): the chain {chained:6.0f} us, pre + post "
+                  f"apart {apart:6.0f} us (without their rms_norm launch)")
     return rows
 
 
@@ -555,9 +709,20 @@ def sweep(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
                                             logits_kernel="gemv"), (n,))
 
 
-if __name__ == "__main__":  # python -m moebox.ops.triton.mhc [--sweep]
+def sweep_chain(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16)) -> None:
+    """The chain's hc_post tilings (columns a partials program and warps): which to make CHAIN_BLOCK_H."""
+    for block_h, warps in ((16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
+        rows = bench(device, tokens=tokens, ops=("chain",), torch_ref=False, quiet=True,
+                     post_config=PostConfig(num_warps=warps, block_h=block_h))
+        print(f"chain post block_h {block_h:4d} warps {warps}: " +
+              "  ".join(f"N={r['N']} {r['us']:6.2f} us" for r in rows), flush=True)
+
+
+if __name__ == "__main__":  # python -m moebox.ops.triton.mhc [--sweep] [--sweep-chain]
     import sys
     bench_start()
     bench()
     if "--sweep" in sys.argv:
         sweep()
+    if "--sweep-chain" in sys.argv:
+        sweep_chain()
