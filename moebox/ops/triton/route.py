@@ -4,7 +4,11 @@ Why: after the router's GEMV, torch routes a decode step's tokens in three kerne
 (inductor), `torch.topk` (a block-wide radix select, ~10 us in a CUDA graph) and the gather and normalisation
 (inductor). In the kernel profile of a batch-1 V4-Flash step (docs/benchmarks.md, sixth session) the top-k
 launches alone are 6.7% of the step. Here one program per token holds all E scores in registers and takes the
-top k in k rounds of (max, lowest index at the max, mask it out): one launch of ~2 us.
+top k in k rounds of (max, mask it out), one warp for E <= 1024 (its reductions are shuffles, no shared
+memory and barriers): one launch. The max is over 64-bit keys (the selection value's order in the high word,
+the complement of the index in the low one), one reduction a round where there were three (max, lowest index
+at the max, its score: 4.5 us a launch at batch 1 in the fifteenth session's timeline); the k weights are
+recomputed from their logits, gathered after the rounds.
 
 Semantics: `moebox.ops.moe.route` for a non-hash layer (noaux_tc): scores = sqrt(softplus(logits)) or
 sigmoid(logits) in fp32; the experts are picked by scores + bias; their weights are the unbiased scores,
@@ -26,6 +30,15 @@ MAX_EXPERTS = 4096                             # one program's register tile
 
 if HAVE_TRITON:
     @triton.jit
+    def _scores(x, SCORING: tl.constexpr):
+        """The routing scores of fp32 logits: sqrt(softplus(x)) (SCORING 0) or sigmoid(x)."""
+        if SCORING == 0:
+            u = tl.exp(tl.minimum(x, 20.0))
+            log1p = tl.where(u < 1e-4, u - 0.5 * u * u, tl.log(1.0 + u))
+            return tl.sqrt(tl.where(x > 20.0, x, log1p))
+        return tl.sigmoid(x)
+
+    @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_ln, scaling,
                       K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
@@ -33,29 +46,26 @@ if HAVE_TRITON:
         n = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         me = offs < E
-        x = tl.load(logits_ptr + n * stride_ln + offs, mask=me, other=0.0).to(tl.float32)
-        if SCORING == 0:
-            u = tl.exp(tl.minimum(x, 20.0))
-            log1p = tl.where(u < 1e-4, u - 0.5 * u * u, tl.log(1.0 + u))
-            s = tl.sqrt(tl.where(x > 20.0, x, log1p))
-        else:
-            s = tl.sigmoid(x)
-        sel = s
+        row = logits_ptr + n * stride_ln
+        sel = _scores(tl.load(row + offs, mask=me, other=0.0).to(tl.float32), SCORING)
         if HAS_BIAS:
             sel += tl.load(bias_ptr + offs, mask=me, other=0.0).to(tl.float32)
         sel = tl.where(me, sel, float("-inf"))
+        # one max a round: the selection value as an int32 of the same order (negative floats' low 31 bits
+        # flipped) in the high word, the complement of the index in the low one (ties: the lowest index)
+        bits = sel.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) * 4294967296 + (BLOCK_E - 1 - offs)
         kk = tl.arange(0, K_PAD)
         ids = tl.zeros((K_PAD,), dtype=tl.int32)
-        ws = tl.zeros((K_PAD,), dtype=tl.float32)
         for j in tl.static_range(K):
-            best = tl.max(sel, axis=0)
-            e = tl.minimum(tl.min(tl.where(sel == best, offs, BLOCK_E), axis=0), E - 1)
+            e = BLOCK_E - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
             ids = tl.where(kk == j, e, ids)
-            ws = tl.where(kk == j, tl.sum(tl.where(offs == e, s, 0.0), axis=0), ws)
-            sel = tl.where(offs == e, float("-inf"), sel)
+            key = tl.where(offs == e, -9223372036854775807 - 1, key)
+        ids = tl.minimum(ids, E - 1)
+        mk = kk < K
+        ws = tl.where(mk, _scores(tl.load(row + ids, mask=mk, other=0.0).to(tl.float32), SCORING), 0.0)
         if NORM:
             ws = ws / (tl.sum(ws, axis=0) + 1e-20)
-        mk = kk < K
         tl.store(ids_ptr + n * K + kk, ids.to(tl.int64), mask=mk)
         tl.store(w_ptr + n * K + kk, ws * scaling, mask=mk)
 
@@ -81,6 +91,6 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int,
         _route_kernel[(n,)](
             logits, logits if bias is None else bias, ids, w, e, logits.stride(0), float(scaling),
             K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(e), SCORING=SCORINGS[scoring_func],
-            HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), num_warps=4,
+            HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), num_warps=1 if e <= 1024 else 4,
             **pdl_args(logits))
     return ids, w
