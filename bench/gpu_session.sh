@@ -22,7 +22,8 @@
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
 #   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
 #   bash bench/gpu_session.sh fp8sweep  # the FP8 decode GEMV's tilings on the V4-Flash shapes (prints TUNED_DECODE)
-#   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post, hc_head against the torch references)
+#   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post and the decode chain against the torch
+#                                       # references), then the chain's hc_post tilings (CHAIN_BLOCK_H)
 #   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
 #   bash bench/gpu_session.sh attnsweep # the decode attention's tilings at batch 8 and 16 (CSA, HCA)
 #   bash bench/gpu_session.sh index     # the indexer's score kernel against the torch function, then decode at 4K
@@ -70,7 +71,7 @@ fp8sweep)
     step fp8-sweep python3 -m moebox.ops.triton.fp8_linear --sweep
     ;;
 mhc)
-    step mhc-bench python3 -m moebox.ops.triton.mhc
+    step mhc-bench python3 -m moebox.ops.triton.mhc --sweep-chain
     ;;
 topk)
     step topk-bench python3 -m moebox.ops.triton.topk
