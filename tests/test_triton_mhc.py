@@ -212,16 +212,22 @@ _INTERPRETER_CHECK = textwrap.dedent("""
                                         (4, 80, 2, torch.float16), (2, 64, 17, torch.float32)]):
         X, fn, base, scale = site(n, hc, H, dt, seed=30 + i)
         _, fn2, base2, scale2 = site(n, hc, H, dt, seed=40 + i)
+        if i == 0:   # streams that nearly cancel in x: the Gram form's mean square would be off by 3-2000%
+            g = torch.Generator().manual_seed(9)
+            v = torch.randn(H, generator=g) * 100
+            X = torch.stack([v, -v + 1e-3 * torch.randn(H, generator=g), v, -v]).to(dt)[None]
+            fn, base = fn * 0, torch.cat([torch.zeros(hc), base[hc:]])   # equal pre weights
         w = (torch.rand(H, generator=torch.Generator().manual_seed(i)) + 0.5).to(dt)
         kw = dict(iters=20, eps=1e-6, norm_eps=1e-6)
         tol = 1e-3 if dt == torch.float16 else 1e-6
+        tol_x = 1e-3 if dt == torch.float16 else 1e-5   # the mean square from G: fp32 error ~1e-7 of sum |q|
         name = f"chain hc={hc} H={H} N={n} {dt}"
         into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
         got = hc_pre_triton(X, fn, base, scale, **kw, into=into, norm=w,
                             coeffs_branch=Branch(X, "mhc") if i == 1 else None)
         ref = hc_pre_reference(X, fn, base, scale, **kw)
         ref = (rms_norm_reference(ref[0], w, 1e-6), *ref[1:])
-        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol, 4e-6, 4e-6)):
+        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol_x, 4e-6, 4e-6)):
             add(f"{name}: pre {out}", g, r, b, t)
         out, addend = torch.randn(n, H).to(dt), torch.randn(n, H).to(dt)
         Y, ws = hc_post_chain_triton(out, X, got[1], got[2], addend=addend, next_fn=fn2)
@@ -231,10 +237,30 @@ _INTERPRETER_CHECK = textwrap.dedent("""
         got = hc_pre_triton(Y, fn2, base2, scale2, **kw, into=into, norm=w, partials=ws)
         ref = hc_pre_reference(Y, fn2, base2, scale2, **kw)
         ref = (rms_norm_reference(ref[0], w, 1e-6), *ref[1:])
-        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol, 4e-6, 4e-6)):
+        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol_x, 4e-6, 4e-6)):
             add(f"{name}: pre from partials {out}", g, r, b, t)
     print("RESULT " + json.dumps(results))
 """)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_chain_kernels_build_for_sm90() -> None:
+    """The decode chain's kernels as the V4 decode step launches them (kernel B with the Gram partials and the
+    norm, x programs and the coefficients' program; hc_post with the shared expert's add and the partials; the
+    partials alone) compile for sm_90 on any machine: the interpreter does not type-check what the GPU build
+    does (the cancellation fallback's branch, the 3-D fn tile)."""
+    from moebox.ops.triton import mhc as kernels
+    from moebox.ops.triton.runtime import build_sm90
+    dims = dict(HC=4, HC_PAD=4, M=24)
+    fp32 = ("ws_ptr", "base_ptr", "scale_ptr", "post_ptr", "comb_ptr", "fn_ptr")
+    for fn, const in [(kernels._mix_kernel, dict(M_PAD=64, S_PAD=128, BLOCK_H=1024, COEFFS=coeffs, GRAM=True,
+                                                 NORM=not coeffs, PDL=True)) for coeffs in (False, True)] + [
+            (kernels._post_kernel, dict(M_PAD=32, W_PAD=64, BLOCK_H=32, POST=post, ADD=post, PARTIALS=True,
+                                        PDL=True)) for post in (True, False)]:
+        sig = {a: "*fp32" if a in fp32 else "*bf16" if a.endswith("_ptr") else "fp32" if "eps" in a else "i32"
+               for a in fn.arg_names if a not in {**dims, **const}}
+        compiled = build_sm90(fn, sig, {**dims, **const}, [a for a in sig if a.endswith("_ptr")], num_warps=4)
+        assert "griddepcontrol.wait" in compiled.asm["ptx"], fn
 
 
 @pytest.mark.slow

@@ -54,7 +54,10 @@ at batch 1 on the H200, 86 sites a step. In the chain:
   - `hc_pre_triton(..., norm=w, partials=ws)`: kernel B alone. Its sum of squares is trace(G), and the
     sub-block's RMSNorm of x = sum_j pre_j X[j] needs mean(x^2) = pre^T G pre / H: every x program has it
     from the partials, so x comes out normed (rounded to X's dtype first, then times rsqrt(. + eps) and the
-    weight, as rms_norm(x) computes it; the mean square is from x before that rounding: ~1e-5 relative).
+    weight, as rms_norm(x) computes it; the mean square is from x before that rounding). The quadratic form
+    cancels where the weighted streams nearly do (its fp32 error is ~1e-7 of sum_jk |pre_j G_jk pre_k| / H):
+    below 1/256 of that sum the program sums the row's squares itself (`_row_mean_square`), so the mean
+    square stays within ~1e-4 relative whatever the streams.
   - A step's first site, and the MTP block's, get their partials from `hc_partials_triton` (the same kernel
     without the post), the last one writes none (the head computes its own).
   Per site on the main stream: kernel B and hc_post, 2 launches where there were 4 (fifteenth session:
@@ -247,6 +250,18 @@ if HAVE_TRITON:
         _store_partials(ws_ptr, acc, sq, offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD)
 
     @triton.jit
+    def _row_mean_square(X_row, pre, offs_j, mj, H, BLOCK_H: tl.constexpr):
+        """mean(x^2) over a token's row, x = sum_j pre_j X[j] rounded to X's dtype, summed directly."""
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            Xt = tl.load(X_row + offs_j[:, None] * H + hh[None, :], mask=mj[:, None] & (hh < H)[None, :],
+                         other=0.0).to(tl.float32)
+            x = tl.sum(pre[:, None] * Xt, axis=0).to(X_row.dtype.element_ty).to(tl.float32)
+            acc += x * x
+        return tl.sum(acc, axis=0) / H
+
+    @triton.jit
     def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, norm_ptr,
                     H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
                     HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
@@ -286,7 +301,12 @@ if HAVE_TRITON:
             x = tl.sum(pre[:, None] * Xt, axis=0)
             if NORM:   # rms_norm(x rounded to X's dtype, weight); the mean square from G, before that rounding
                 pm = tl.where(mj, pre, 0.0)
-                ms_x = tl.sum(tl.sum(pm[:, None] * g * pm[None, :], axis=1), axis=0) / H
+                q = pm[:, None] * g * pm[None, :]
+                ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
+                # its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to under 1/256 of
+                # that, the row's squares are summed directly instead (rare: 4 more loads of the token's X)
+                if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
+                    ms_x = _row_mean_square(X_ptr + n.to(tl.int64) * stride_Xn, pre, offs_j, mj, H, BLOCK_H)
                 w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
                 x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
             tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)

@@ -534,7 +534,7 @@ _TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}   # bf16 terms 
 
 def _decode_fma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
                 w3c: torch.Tensor, w3s: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor, limit: float | None,
-                out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | None = None) -> None:
+                out: torch.Tensor, k: int, cfg: DecodeConfig) -> None:
     n, hidden = x.shape
     inter = w1c.shape[1]
     hw, iw = hidden // 16, inter // 16
@@ -680,6 +680,7 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
     x [N, H] bf16/fp16/fp32; expert_ids [N, k] integer; weights [N, k] (fp32); planes as in the module doc.
     `out` [N, H] in x's dtype (written in place, every element) or None. Runs on CUDA, or on CPU tensors
     under TRITON_INTERPRET=1."""
+    xp = packed.get() if packed is not None else None   # joined first, whatever runs or raises below
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, hidden = x.shape
@@ -699,8 +700,7 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
     w1c, w3c, w2c = (c.view(torch.int32) for c in (w1_codes, w3_codes, w2_codes))
     w1s, w3s, w2s = (_u8(s) for s in (w1_scales, w3_scales, w2_scales))
     if _takes_mma(config, hidden, inter, (w1c, w3c, w2c)):
-        _decode_mma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config,
-                    packed.get() if packed is not None else None)
+        _decode_mma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config, xp)
     else:
         _decode_fma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config)
     return out
