@@ -32,6 +32,7 @@ from moebox.ops.triton.decode_attention import (AttendConfig, attend_decode, att
                                                 random_inputs, resolve_config, supported)
 
 from tests.interpreter import check_in_interpreter
+from tests.poison import poison_allocator
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -290,14 +291,6 @@ V4_KINDS = {"csa": dict(kind="csa", table_rows=4097, k=512), "hca": dict(kind="h
             "hca4097": dict(kind="hca", table_rows=4097), "sliding": dict(kind="sliding", table_rows=1)}
 
 
-def _poison_allocator() -> None:
-    """Fill free blocks of the caching allocator with NaN, so a partial buffer that torch.empty hands out and a
-    kernel fails to write shows up as NaN."""
-    for numel in (1 << 18, 1 << 24):
-        torch.full((numel,), float("nan"), device="cuda")
-    torch.cuda.synchronize()
-
-
 def _v4(kind: str, b: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **kw) -> dict:
     masked = (b - 2,) if b > 2 else ()
     return random_inputs(b, **V4, **V4_KINDS[kind], dtype=dtype, device="cuda", seed=seed, masked=masked, **kw)
@@ -320,7 +313,7 @@ def _check(inp: dict, config: AttendConfig | None = None) -> torch.Tensor:
     from moebox.ops.triton.decode_attention import attend_triton
     ref = _fp32_reference(inp)
     out = torch.full_like(inp["q"], float("nan"))
-    _poison_allocator()
+    poison_allocator()
     got = attend_triton(**inp, out=out, config=config)
     torch.cuda.synchronize()
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()

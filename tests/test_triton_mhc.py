@@ -27,6 +27,7 @@ from moebox.ops.mhc import (hc_head, hc_head_reference, hc_post, hc_post_chain, 
 from moebox.ops.norm import rms_norm_reference
 
 from tests.interpreter import check_in_interpreter
+from tests.poison import poison_allocator
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 KW = dict(iters=20, eps=1e-6, norm_eps=1e-6)
@@ -276,14 +277,6 @@ SHAPES = [("v4", 4, 4096), ("hc2_H64", 2, 64), ("hc4_H256", 4, 256), ("hc3_H96",
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _poison_allocator() -> None:
-    """Fill free blocks of the caching allocator (small and large pool) with NaN, so a scratch or output that
-    torch.empty hands out and a kernel fails to write shows up as NaN."""
-    for numel in (1 << 18, 1 << 24):
-        torch.full((numel,), float("nan"), device="cuda")
-    torch.cuda.synchronize()
-
-
 def _assert_x_close(x: torch.Tensor, ref: torch.Tensor, X: torch.Tensor) -> None:
     """x = sum_j pre_j X[j] in X's dtype: elementwise within one ulp of X's dtype of the reference (both round
     fp32 sums that differ by fp32 rounding, so the cast may pick neighbours) plus that fp32 rounding, bounded by
@@ -307,7 +300,7 @@ def _check_pre(n: int, hc: int, hidden: int, dtype: torch.dtype, config=None, X:
     for _ in range(2):  # the second run into re-poisoned buffers: nothing stale, and bit-identical (deterministic)
         into = (torch.full((n, hidden), float("nan"), device="cuda", dtype=dtype),
                 torch.full((n, hc), float("nan"), device="cuda"), torch.full((n, hc, hc), float("nan"), device="cuda"))
-        _poison_allocator()
+        poison_allocator()
         got = hc_pre_triton(X, fn, base, scale, **KW, into=into, config=config)
         torch.cuda.synchronize()
         assert all(g.data_ptr() == b.data_ptr() for g, b in zip(got, into))
@@ -371,7 +364,7 @@ def test_gpu_hc_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
     with matmul_tf32(False):
         ref = hc_head_reference(X, fn, base, scale, eps=1e-6, norm_eps=1e-6)
     y = torch.full((n, hidden), float("nan"), device="cuda", dtype=dtype)
-    _poison_allocator()
+    poison_allocator()
     got = hc_head_triton(X, fn, base, scale, eps=1e-6, norm_eps=1e-6, into=y)
     torch.cuda.synchronize()
     assert got.data_ptr() == y.data_ptr()
@@ -395,7 +388,7 @@ def test_gpu_decode_chain(n: int, dtype: torch.dtype) -> None:
     out, addend = (torch.randn(n, hidden, device="cuda").to(dtype) for _ in range(2))
 
     def pre(X: torch.Tensor, fn, base, scale, partials) -> tuple[torch.Tensor, ...]:
-        _poison_allocator()
+        poison_allocator()
         branch = Branch(X, "mhc", purpose="mhc")
         got = hc_pre_triton(X, fn, base, scale, **KW, norm=w, partials=partials, coeffs_branch=branch)
         branch.join()

@@ -16,7 +16,7 @@ from moebox.ops import rope
 from moebox.ops.rope import apply_rope, norm_rope, query_rope, rope_inv_freq
 
 from tests.interpreter import check_in_interpreter
-from tests.test_triton_mhc import _poison_allocator as poison_allocator
+from tests.poison import poison_allocator
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 EPS = 1e-6

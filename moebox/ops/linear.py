@@ -12,12 +12,11 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
-from moebox.ops.norm import rms_norm
+from moebox.ops.norm import Norm, rms_norm
 from moebox.quant.w2 import W2Tensor
 from moebox.weights.formats import QuantTensor
 
 Weight = torch.Tensor | QuantTensor | W2Tensor
-Norm = tuple[torch.Tensor, float]   # (weight, eps) of an RMSNorm of x that a product applies first
 
 
 def dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:

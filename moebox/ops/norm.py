@@ -12,6 +12,7 @@ import torch
 from moebox.ops.fuse import fused
 
 KERNEL_MAX_ROWS = 16
+Norm = tuple[torch.Tensor, float]   # (weight, eps) of an RMSNorm that a product applies to its x first
 
 
 @fused

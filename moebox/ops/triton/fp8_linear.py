@@ -145,7 +145,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from moebox.ops.norm import rms_norm
+from moebox.ops.norm import Norm, rms_norm
 from moebox.weights.formats import QuantTensor
 
 from moebox.ops.triton.fp8_mma import launch_mma, mma_takes
@@ -562,7 +562,7 @@ def _kernel_weight(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-                      config: Fp8Config | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                      config: Fp8Config | None = None, norm: Norm | None = None) -> torch.Tensor:
     """The Triton path. x [N, in] bf16/fp16/fp32 (any row stride), w QuantTensor fp8 (data [out, in] e4m3 with
     contiguous rows, scale E8M0 [ceil(out/128), ceil(in/128)]); returns (or fills, every element) `out`
     [N, out] in x's dtype. `config` overrides the kernel and tiling (split_k 0 = automatic). `norm` = (weight
@@ -579,7 +579,7 @@ def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None 
     return _run(x, w, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), config, norm)
 
 
-def _check_norm(norm: tuple[torch.Tensor, float] | None, in_f: int) -> None:
+def _check_norm(norm: Norm | None, in_f: int) -> None:
     if norm is not None and tuple(norm[0].shape) != (in_f,):
         raise ValueError(f"the norm weight must be [{in_f}], got {tuple(norm[0].shape)}")
 
@@ -599,7 +599,7 @@ def _check_dtype(x: torch.Tensor) -> None:
 
 def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: int, out_f: int, rows: int,
          in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], config: Fp8Config | None,
-         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+         norm: Norm | None = None) -> torch.Tensor:
     """What the plain, the grouped and the dense call share once x and out are checked: the empty cases, the
     tiling (the one for the whole [out_f, in] weight, or `config`), the launch. A float weight (`dense_gemv`) has
     no scales and runs the GEMV only, by default with the GEMV heuristic for its element size. `norm` (plain
@@ -630,7 +630,7 @@ def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: i
 
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, n: int, out_f: int,
             rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config,
-            norm: tuple[torch.Tensor, float] | None = None) -> None:
+            norm: Norm | None = None) -> None:
     """The kernel launch (+ the split-K sum) for out_f output rows in groups of `rows` (one group: rows = out_f):
     group i reads x[n] at x + n * x_strides[0] + i * x_strides[1] and writes out[n] at out + n * out_strides[0]
     + i * out_strides[1] (x and out with unit column stride). cfg.block_o divides rows when there are groups.
@@ -679,7 +679,7 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
 
 
 def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-                         config: Fp8Config | None = None, norm: tuple[torch.Tensor, float] | None = None
+                         config: Fp8Config | None = None, norm: Norm | None = None
                          ) -> torch.Tensor:
     """The torch reference: dequantize w to fp32, F.linear in fp32, cast back to x's dtype (same arguments;
     `norm`: rms_norm(x) first)."""
@@ -694,7 +694,7 @@ def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | No
 
 
 def fp8_linear(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-               config: Fp8Config | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+               config: Fp8Config | None = None, norm: Norm | None = None) -> torch.Tensor:
     """Dispatcher: the Triton kernel for CUDA tensors (when triton imports), the torch reference elsewhere."""
     fn = fp8_linear_triton if (x.is_cuda and HAVE_TRITON) else fp8_linear_reference
     return fn(x, w, out=out, config=config, norm=norm)

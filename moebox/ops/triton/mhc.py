@@ -89,7 +89,7 @@ from typing import Sequence
 import torch
 
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
-from moebox.ops.norm import rms_norm_reference
+from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, graph_us, next_pow2,  # noqa: F401
@@ -507,7 +507,6 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             _mix(X, ws, m, m_pad, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
         coeffs_branch.hold(ws)
     if norm is not None and not gram:   # past the chain's sizes: the norm apart
-        from moebox.ops.norm import rms_norm
         x = rms_norm(x, norm, norm_eps) if bx is None else x.copy_(rms_norm(x, norm, norm_eps))
     return x, post, comb
 
