@@ -59,8 +59,14 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   is ~8 us of issue for the 151M weights, under the 10 us of DRAM time, so the call should be memory- and
   latency-bound (launches and tails); `python -m moebox.ops.triton.w2_moe --sweep` measures it. The default
   gate split is 2 (1.68 instructions a weight), the fastest in the fifth and eighth sessions' sweeps at N = 1,
-  4 and 16. Loading x/h with the codes, two steps ahead (instead of from L2 in the step) cost 36 / 84 more
-  registers and lost 4-30% in the eighth session's sweep (docs/benchmarks.md).
+  4 and 16. The default prefetch is 1 (sixteenth session: 3-7% faster than 2 at every N from 1 to 16; 128 / 68
+  registers, so 16 gate-up warps an SM instead of 15 and 3 down programs instead of 2), and one token takes
+  down split 16 (`default_config`). Loading x/h with the codes, two steps ahead (instead of from L2 in the
+  step) cost 36 / 84 more registers and lost 4-30% in the eighth session's sweep (docs/benchmarks.md).
+  Tried and dropped (sixteenth session): register caps (maxnreg 96-104 for gate-up, 64 for down: 16-24 bytes
+  of spills) lost at N = 1-16; the right shifts as IMAD.HI (multiply-high by 2^(32-s), to move them off the
+  integer ALU pipe that the PRMT/LOP3/SHF mix saturates at N >= 4) lost 7-13%: IMAD.HI is slower than its
+  issue count suggests.
   Accuracy: the products are exact (bf16 weights with the scale folded in, bf16 x terms) and summed in fp32,
   so fp32 x gives ~1e-6 relative error and bf16 x is bounded by the bf16 output rounding.
   Triton's interpreter cannot run inline asm: there (TRITON_INTERPRET=1) the same kernels run `_plain_word_dot`,
@@ -96,7 +102,7 @@ in the 50 MB L2).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -127,7 +133,7 @@ class DecodeConfig:
     variant: str = "mma"
     gate_split: int = 2
     down_split: int = 8
-    prefetch: int = 2
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
@@ -137,6 +143,13 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()
+# one token: 16 warps a down program (256 programs; the sixteenth session's sweep: 27.7 against 30.0 us a call)
+BATCH1_CONFIG = replace(DEFAULT_CONFIG, down_split=16)
+
+
+def default_config(n: int) -> DecodeConfig:
+    """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth session)."""
+    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG
 
 
 def expert_bytes(hidden: int, intermediate: int) -> int:
@@ -671,19 +684,20 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
                         w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
                         w3_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
                         limit: float | None, *, out: torch.Tensor | None = None,
-                        config: DecodeConfig = DEFAULT_CONFIG, packed: PackedX | None = None) -> torch.Tensor:
+                        config: DecodeConfig | None = None, packed: PackedX | None = None) -> torch.Tensor:
     """The Triton path with w1/w3/w2 given apart (stacked tensors or zero-copy layer-buffer views).
     `packed`: `pack_x_ahead`'s x, packed on a side stream (the mma kernels then launch no packing of their own).
     `config.transpose_x` adds one small copy kernel that word-transposes x so kernel 1 reads it with
     unit stride (vector loads) instead of stride-16 gathers: which is faster is for the bench to say.
 
     x [N, H] bf16/fp16/fp32; expert_ids [N, k] integer; weights [N, k] (fp32); planes as in the module doc.
-    `out` [N, H] in x's dtype (written in place, every element) or None. Runs on CUDA, or on CPU tensors
-    under TRITON_INTERPRET=1."""
+    `out` [N, H] in x's dtype (written in place, every element) or None. `config` None: `default_config(N)`.
+    Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
     xp = packed.get() if packed is not None else None   # joined first, whatever runs or raises below
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, hidden = x.shape
+    config = config or default_config(n)
     k = expert_ids.shape[-1]
     inter = w1_codes.shape[1]
     check_layer_planes(hidden, inter, 32, w1_codes, w1_scales, w3_codes, w3_scales, w2_codes, w2_scales)
@@ -714,7 +728,7 @@ def _split_w13(w13_codes: torch.Tensor, w13_scales: torch.Tensor):
 def w2_moe_decode_triton(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                          w13_codes: torch.Tensor, w13_scales: torch.Tensor, w2_codes: torch.Tensor,
                          w2_scales: torch.Tensor, limit: float | None, *, out: torch.Tensor | None = None,
-                         config: DecodeConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                         config: DecodeConfig | None = None) -> torch.Tensor:
     """The Triton path on stacked planes: w13_codes uint8 [E, 2I, H/4] (w1 rows, then w3 rows),
     w13_scales E8M0 [E, 2I, H/32], w2_codes uint8 [E, H, I/4], w2_scales E8M0 [E, H, I/32]."""
     w1c, w1s, w3c, w3s = _split_w13(w13_codes, w13_scales)
@@ -742,7 +756,7 @@ def w2_moe_decode_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: 
 def w2_moe_decode(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w13_codes: torch.Tensor,
                   w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
                   limit: float | None, *, out: torch.Tensor | None = None,
-                  config: DecodeConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                  config: DecodeConfig | None = None) -> torch.Tensor:
     """Dispatcher: the Triton kernels for CUDA tensors (when triton imports), the torch reference elsewhere."""
     fn = w2_moe_decode_triton if (x.is_cuda and HAVE_TRITON) else w2_moe_decode_reference
     return fn(x, expert_ids, weights, w13_codes, w13_scales, w2_codes, w2_scales, limit, out=out, config=config)
@@ -837,14 +851,14 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
-     for g, d, p in ((2, 8, 2), (4, 8, 2), (4, 8, 1), (8, 8, 2), (4, 4, 2), (2, 16, 2), (4, 16, 2), (8, 16, 1))]
+     for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
     + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16), hidden: int = 4096,
           intermediate: int = 2048, experts: int = 256, k: int = 6, limit: float = 10.0,
-          dtype: torch.dtype = torch.bfloat16, configs: Sequence[tuple[str, DecodeConfig]] = (("default",
-                                                                                                DEFAULT_CONFIG),),
+          dtype: torch.dtype = torch.bfloat16, configs: Sequence[tuple[str, DecodeConfig | None]] = (("default",
+                                                                                                       None),),
           copy_gbs: float | None = None, l2_miss_bytes: int = 256 << 20, rep: int = 100) -> list[dict]:
     """Time the V4-Flash-shaped decode call (random planes and routing) for each (name, config) and N in
     `tokens`, as a CUDA graph replay of back-to-back calls on different routings (enough that their planes
@@ -871,7 +885,7 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
             fns = [lambda ids=ids, w=w: w2_moe_decode_triton(x, ids, w, *planes, limit, out=out, config=cfg)
                    for ids, w in routes]
             ms = graph_us(fns, rep) / 1e3
-            row = {"variant": name, "config": cfg, "tokens": n, "calls": calls, "plane_bytes": nbytes, "ms": ms,
+            row = {"variant": name, "config": cfg or default_config(n), "tokens": n, "calls": calls, "plane_bytes": nbytes, "ms": ms,
                    "GB/s": nbytes / ms / 1e6, "copy_GB/s": copy_gbs}
             rows.append(row)
             print(f"{name:22s} {n:3d} {calls:5d} {ms * 1e3:8.1f} {row['GB/s']:7.0f} {row['GB/s'] / copy_gbs:7.1%}",
@@ -891,4 +905,4 @@ if __name__ == "__main__":  # python -m moebox.ops.triton.w2_moe [--sweep]
         for name, split in (("gate_up", DEFAULT_CONFIG.gate_split), ("down", DEFAULT_CONFIG.down_split)):
             print(sass_report(name, split, DEFAULT_CONFIG.prefetch))
     else:
-        bench(configs=SWEEP if "--sweep" in sys.argv else (("default", DEFAULT_CONFIG),))
+        bench(configs=SWEEP if "--sweep" in sys.argv else (("default", None),))
