@@ -66,7 +66,9 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   Tried and dropped (sixteenth session): register caps (maxnreg 96-104 for gate-up, 64 for down: 16-24 bytes
   of spills) lost at N = 1-16; the right shifts as IMAD.HI (multiply-high by 2^(32-s), to move them off the
   integer ALU pipe that the PRMT/LOP3/SHF mix saturates at N >= 4) lost 7-13%: IMAD.HI is slower than its
-  issue count suggests.
+  issue count suggests; Triton's pipeliner instead of the register prefetch (`tl.range(num_stages=2-3)`: the
+  code/scale tiles and down's h fragments through shared memory with cp.async, 12-126 KB a program) lost 1.3-2.5x
+  at every N.
   Accuracy: the products are exact (bf16 weights with the scale folded in, bf16 x terms) and summed in fp32,
   so fp32 x gives ~1e-6 relative error and bf16 x is bounded by the bf16 output rounding.
   Triton's interpreter cannot run inline asm: there (TRITON_INTERPRET=1) the same kernels run `_plain_word_dot`,
