@@ -131,7 +131,9 @@ MAX_SPLIT = 256  # kernel B loads all partials of a token as one [next_pow2(spli
 # up to GEMV_TILE_N tokens (a tile's registers: 144 at 4 tokens in the sm_90 build, no spills).
 GEMV_MAX_N = 16
 GEMV_TILE_N = 4
-CHAIN_BLOCK_H = 32   # columns of a chain partials program: 128 a token at H = 4096, each reading 12 KB of fn
+# columns of a chain partials program: 128 a token at H = 4096, each reading 12 KB of fn (with PostConfig's 4
+# warps the fastest at N = 1 and 4 of the sixteenth session's `--sweep-chain`; docs/benchmarks.md)
+CHAIN_BLOCK_H = 32
 
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
