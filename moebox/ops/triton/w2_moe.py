@@ -887,8 +887,8 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
             fns = [lambda ids=ids, w=w: w2_moe_decode_triton(x, ids, w, *planes, limit, out=out, config=cfg)
                    for ids, w in routes]
             ms = graph_us(fns, rep) / 1e3
-            row = {"variant": name, "config": cfg or default_config(n), "tokens": n, "calls": calls, "plane_bytes": nbytes, "ms": ms,
-                   "GB/s": nbytes / ms / 1e6, "copy_GB/s": copy_gbs}
+            row = {"variant": name, "config": cfg or default_config(n), "tokens": n, "calls": calls,
+                   "plane_bytes": nbytes, "ms": ms, "GB/s": nbytes / ms / 1e6, "copy_GB/s": copy_gbs}
             rows.append(row)
             print(f"{name:22s} {n:3d} {calls:5d} {ms * 1e3:8.1f} {row['GB/s']:7.0f} {row['GB/s'] / copy_gbs:7.1%}",
                   flush=True)
