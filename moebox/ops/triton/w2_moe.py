@@ -77,9 +77,13 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   Tried and dropped (ninth session): programs of 2-4 m-tiles (16 rows each) sharing each step's x fragments.
   Once the fragments came one L1 line a load they lost at every N (more registers, fewer programs).
   Next: gate-up is now issue-bound (ncu at N = 8: 67% SM throughput, 0.5 issued a cycle a scheduler, 128
-  registers, 4 warps a scheduler): fewer instructions a weight or more warps. Group the (token, expert) pairs
-  by expert for N > 1 (the mma has 8 columns: up to 8/T tokens of one expert per unpack; the ALU work per call
-  would then follow the distinct experts, not the pairs).
+  registers, 4 warps a scheduler), and 0.5 a cycle is what the integer ALU pipe takes (16 lanes a scheduler):
+  PRMT, LOP3 and SHF are ~70% of the loop, so fewer ALU ops a weight is the lever (moving the shifts to the
+  FMA pipe as IMAD.HI lost, see above). Candidates: e4m3 weights from the PRMT (4 a PRMT instead of 2, into
+  mma m16n8k32 e4m3; the scale then has to fit e4m3's exponent range, x and h become e4m3 terms); and, for
+  verify steps whose tokens share experts, grouping the (token, expert) pairs by expert (the mma has 8
+  columns: up to 8/T tokens of one expert per unpack; random routing at N = 8 has ~44 distinct experts in 48
+  pairs, so the bench would not show it).
 
 Variant "fma" (CUDA cores, exact fp32): `_gate_up_kernel`, grid (N*k, I/ROWS), and `_down_kernel`, grid
 (N, H/ROWS), same split of the work; [ROWS, WORDS] int32 tiles, per word ~10 ops give a "big" bit (codes 0, 3)
