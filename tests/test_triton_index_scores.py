@@ -75,20 +75,14 @@ _SCRIPT = textwrap.dedent("""
         assert got.data_ptr() == out.data_ptr()
 
     # the tiny model's decode steps: the kernel's scores against torch's (the top-k then picks the same rows)
-    from tests.interpreter import count_calls, tiny_decode_logits, tiny_model
+    from tests.interpreter import count_calls, switch_result, tiny_model
     calls = count_calls(kernel, "index_scores_triton")
     os.environ.update(MOEBOX_ATTENTION_KERNEL="0", MOEBOX_COMPRESS_KERNEL="0", MOEBOX_PREFILL_ATTENTION_KERNEL="0",
                       MOEBOX_TOPK_KERNEL="0")
     cfg, model = tiny_model()
-    runs = {}
-    for flag in ("1", "0"):
-        os.environ["MOEBOX_INDEX_KERNEL"] = flag
-        runs[flag] = tiny_decode_logits(model, cfg, 8)
+    results.append(switch_result(model, cfg, "MOEBOX_INDEX_KERNEL", 8))
     csa = sum(1 for kind in cfg.attn_types if kind == "csa")
     assert csa and len(calls) == 8 * csa, (len(calls), csa)
-    got, ref = runs["1"], runs["0"]
-    results.append(dict(case="tiny model decode", same_buffer=True, finite=bool(got.isfinite().all()),
-                        rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
     print("RESULT " + json.dumps(results))
 """)
 

@@ -121,21 +121,15 @@ _INTERPRETER_CHECK = textwrap.dedent("""
 
     # the tiny model's decode steps with the kernel in place of the torch path (the dispatch takes it on CUDA
     # only: forced here), other kernels off
-    from tests.interpreter import count_calls, tiny_decode_logits, tiny_model
+    from tests.interpreter import count_calls, switch_result, tiny_model
     import moebox.ops.rope as rope
     calls = count_calls(kernel, "query_rope_triton")
     rope._kernel_takes = lambda q, qi: os.environ["MOEBOX_ROPE_KERNEL"] != "0"
     for switch in ("ATTENTION", "COMPRESS", "PREFILL_ATTENTION", "TOPK", "INDEX", "ROUTE", "W2_PREFILL"):
         os.environ[f"MOEBOX_{switch}_KERNEL"] = "0"
     cfg, model = tiny_model()
-    runs = {}
-    for flag in ("1", "0"):
-        os.environ["MOEBOX_ROPE_KERNEL"] = flag
-        runs[flag] = tiny_decode_logits(model, cfg, 4)
+    results.append(switch_result(model, cfg, "MOEBOX_ROPE_KERNEL", 4))
     assert len(calls) == 5 * cfg.num_layers, (len(calls), cfg.num_layers)   # the prefill and 4 steps
-    got, ref = runs["1"], runs["0"]
-    results.append(dict(case="tiny model decode", same_buffer=True, finite=bool(got.isfinite().all()),
-                        rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
     print("RESULT " + json.dumps(results))
 """)
 

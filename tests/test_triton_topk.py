@@ -102,19 +102,13 @@ _SCRIPT = textwrap.dedent("""
                                 ref_norm=1.0))
 
     # the tiny model's decode steps: the kernel's rows against torch's (same logits: no ties in these scores)
-    from tests.interpreter import count_calls, tiny_decode_logits, tiny_model
+    from tests.interpreter import count_calls, switch_result, tiny_model
     calls = count_calls(topk, "index_topk_triton")
     os.environ.update(MOEBOX_ATTENTION_KERNEL="0", MOEBOX_COMPRESS_KERNEL="0", MOEBOX_PREFILL_ATTENTION_KERNEL="0")
     cfg, model = tiny_model()
-    runs = {}
-    for flag in ("1", "0"):
-        os.environ["MOEBOX_TOPK_KERNEL"] = flag
-        runs[flag] = tiny_decode_logits(model, cfg, 12)
+    results.append(switch_result(model, cfg, "MOEBOX_TOPK_KERNEL", 12))
     csa = sum(1 for r, kind in zip(cfg.compress_ratios, cfg.attn_types) if kind == "csa")
     assert csa and len(calls) == 12 * csa, (len(calls), csa)
-    got, ref = runs["1"], runs["0"]
-    results.append(dict(case="tiny model decode", same_buffer=True, finite=bool(got.isfinite().all()),
-                        rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
     print("RESULT " + json.dumps(results))
 """)
 
