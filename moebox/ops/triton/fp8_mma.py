@@ -30,7 +30,11 @@ Accumulators: the asm returns, per 8-element pack of the tile (one mma tile: a l
 two mma chains' D fragments in the slot order of `moebox.ops.triton.w2_moe` (slot 4 rho + i = D[row rho]
 [column 2t + i % 2] of chain i // 2); chain = chunk for N <= 8, token set (tokens 0-7, 8-15) for N > 8. They
 are scaled by the step's block scale (E8M0 byte in the fp32 exponent) into fp32 accumulators; at the end the
-chains are summed (N <= 8) and each (row, token) is stored once.
+chains are summed (N <= 8) and each (row, token) is stored once. With split K the fp32 partials are summed by
+`_split_sum_kernel` (moebox.ops.triton.fp8_linear). Tried and dropped (seventeenth session): the last program
+of a row block to arrive (an atomic count, fences on both sides) summing the partials itself instead: its GPU
+tests passed, but decode lost ~0.25-0.3 ms at batch 4 and 8 (wo_a and wo_b take split K there): that program's
+serial tail cost more than the launch it saved.
 
 Numerics: e4m3 -> f16 is exact; bf16 x -> f16 is exact for |x| in [2^-14, 65504] (f16 keeps bf16's 8
 mantissa bits), smaller values lose bits, larger ones become inf. So, as the fp16 dot path, this is for

@@ -68,7 +68,12 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   integer ALU pipe that the PRMT/LOP3/SHF mix saturates at N >= 4) lost 7-13%: IMAD.HI is slower than its
   issue count suggests; Triton's pipeliner instead of the register prefetch (`tl.range(num_stages=2-3)`: the
   code/scale tiles and down's h fragments through shared memory with cp.async, 12-126 KB a program) lost 1.3-2.5x
-  at every N.
+  at every N. Seventeenth session: each program asking L2 for all its plane bytes first (the TMA's bulk
+  prefetch, one request per contiguous code/scale range) tied or lost at every N for either kernel (down at
+  split 8: +4-10% except a tie at N = 2; gate-up: +1-9% up to N = 8, a tie at 16); down loading the next
+  step's h fragments with its codes (83 registers; with a cap of 80 too) was within 2% of the default except
+  at N = 2 (49.7 against 52.6 us); a one-warp gate-up lost (N = 1: 36.8 against 30.0 us). So neither DRAM nor
+  L2 latency bounds the two kernels at N >= 4; their instruction issue does.
   Accuracy: the products are exact (bf16 weights with the scale folded in, bf16 x terms) and summed in fp32,
   so fp32 x gives ~1e-6 relative error and bf16 x is bounded by the bf16 output rounding.
   Triton's interpreter cannot run inline asm: there (TRITON_INTERPRET=1) the same kernels run `_plain_word_dot`,
