@@ -47,9 +47,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
 def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X_new[k] = post[k] * out + sum_j comb[j, k] X[j]  (comb is applied transposed)."""
-    if (f := _fused(X, out)) is not None:
-        return f.hc_post_triton(out, X, post, comb)
-    return hc_post_reference(out, X, post, comb)
+    return hc_post_chain(out, X, post, comb)[0]
 
 
 def hc_post_chain(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,

@@ -83,9 +83,9 @@ from typing import Sequence
 import torch
 
 from moebox.ops.fuse import eager
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cubin_dump, graph_us,  # noqa: F401
-                                       interpreting, kernel_or_fallback, next_pow2, pdl_args, pdl_start,
-                                       plain_tensor, tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cubin_dump, device_cos,  # noqa: F401
+                                       device_exp, device_sin, graph_us, interpreting, kernel_or_fallback,
+                                       next_pow2, pdl_args, pdl_start, plain_tensor, tl, triton)
 
 __all__ = ["CompressConfig", "pick_config", "supported", "compress_step_triton", "compress_step_reference",
            "compress_decode", "random_inputs", "clone_inputs", "positional", "V4_SHAPES", "sass_report", "bench",
@@ -137,32 +137,6 @@ def pick_config(d: int, ratio: int, finish: str | None = None, config: CompressC
 
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
-    try:
-        from triton.language.extra import libdevice as _libdevice
-    except ImportError:  # pragma: no cover - older triton
-        _libdevice = None
-
-    @triton.jit
-    def _exp(x, PRECISE: tl.constexpr):
-        if PRECISE:
-            return _libdevice.exp(x)
-        else:
-            return tl.exp(x)
-
-    @triton.jit
-    def _cos(x, PRECISE: tl.constexpr):
-        if PRECISE:
-            return _libdevice.cos(x)
-        else:
-            return tl.cos(x)
-
-    @triton.jit
-    def _sin(x, PRECISE: tl.constexpr):
-        if PRECISE:
-            return _libdevice.sin(x)
-        else:
-            return tl.sin(x)
-
     @triton.jit
     def _pow2f(k):
         """2^k as fp32 for int32 k in [-127, 127], exactly (2^-127 is subnormal)."""
@@ -285,8 +259,8 @@ if HAVE_TRITON:
     def _softmax_tile(m, l, acc, v, g, PRECISE: tl.constexpr):
         """One tile of rows into the running per-channel (max m, sum l, weighted sum acc)."""
         m_new = tl.maximum(m, tl.max(g, axis=0))
-        alpha = _exp(m - m_new, PRECISE)
-        p = _exp(g - m_new[None, :], PRECISE)
+        alpha = device_exp(m - m_new, PRECISE)
+        p = device_exp(g - m_new[None, :], PRECISE)
         l = l * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p * v, axis=0)
         return m_new, l, acc
@@ -358,8 +332,8 @@ if HAVE_TRITON:
                 f = k - (D // 2 - HALF_RD)
                 rope = (f >= 0) & (k < D // 2)
                 ang = (w * R).to(tl.float32) * tl.load(freq_ptr + f, mask=rope, other=0.0).to(tl.float32)
-                c = _cos(ang, PRECISE)
-                sn = _sin(ang, PRECISE)
+                c = device_cos(ang, PRECISE)
+                sn = device_sin(ang, PRECISE)
                 ev2 = tl.where(rope, ev * c - od * sn, ev)
                 od2 = tl.where(rope, od * c + ev * sn, od)
                 e = tl.reshape(tl.join(ev2, od2), (D_PAD,))

@@ -418,7 +418,7 @@ def _filled(into: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtyp
     return into
 
 
-def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tuple[torch.Tensor, int]:
+def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> torch.Tensor:
     """Kernel A (cfg.logits_kernel's): the fp32 partials [N, split, M_PAD] (logits in columns < M, sum of
     squares in column M)."""
     n, hc, hidden = X.shape
@@ -437,20 +437,20 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tup
         _mix_logits_gemv_kernel[grid](*args, **tile, **pdl_args(X))
     else:
         _mix_logits_kernel[grid](*args, **tile, num_stages=cfg.num_stages, **pdl_args(X))
-    return ws, m_pad
+    return ws
 
 
-def _mix(X: torch.Tensor, ws: torch.Tensor, m: int, m_pad: int, base: torch.Tensor, scale: torch.Tensor,
+def _mix(X: torch.Tensor, ws: torch.Tensor, m: int, base: torch.Tensor, scale: torch.Tensor,
          x: torch.Tensor | None, post: torch.Tensor | None, comb: torch.Tensor | None, cfg: HcConfig, iters: int,
          eps: float, norm_eps: float, norm: torch.Tensor | None = None, gram: bool = False) -> None:
     """Kernel B: x (unless None; RMS-normed with `norm` unless None, which needs `gram` partials) and post, comb
-    (unless None: hc_head, or launched apart). m_pad: the length of a partial row of ws [N, split, m_pad]."""
+    (unless None: hc_head, or launched apart). ws: the partials [N, split, partial row length]."""
     n, hc, hidden = X.shape
     coeffs = post is not None
     block_h = _block_h(cfg.block_h, cfg.mix_warps, X.dtype, hidden)
     h_blocks = cdiv(hidden, block_h) if x is not None else 0
     some = x if x is not None else post
-    split = ws.shape[1]
+    split, m_pad = ws.shape[1:]
     _mix_kernel[(n, h_blocks + coeffs)](
         X, ws, _rows(base), _rows(scale), some, post if coeffs else some, comb if coeffs else some,
         some if norm is None else norm, hidden, hc * hidden, split, iters, eps, norm_eps, X.stride(0),
@@ -497,16 +497,15 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         if norm.shape != (hidden,):
             raise ValueError(f"norm must be [{hidden}], got {tuple(norm.shape)}")
         ws = hc_partials_triton(X, fn) if partials is None else _check_partials(partials, n, m, hc)
-        m_pad = ws.shape[2]
     else:
-        ws, m_pad = _mix_logits(X, fn, m, cfg)
+        ws = _mix_logits(X, fn, m, cfg)
     mix = dict(norm=norm if gram else None, gram=gram)
     if coeffs_branch is None:
-        _mix(X, ws, m, m_pad, base, scale, x, post, comb, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, post, comb, cfg, iters, eps, norm_eps, **mix)
     else:
-        _mix(X, ws, m, m_pad, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:
-            _mix(X, ws, m, m_pad, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
+            _mix(X, ws, m, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
         coeffs_branch.hold(ws)
     if norm is not None and not gram:   # past the chain's sizes: the norm apart
         x = rms_norm(x, norm, norm_eps) if bx is None else x.copy_(rms_norm(x, norm, norm_eps))
@@ -609,8 +608,8 @@ def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     if n == 0:
         return y
     cfg = _config(config, X)
-    ws, m_pad = _mix_logits(X, fn, hc, cfg)
-    _mix(X, ws, hc, m_pad, base, scale, y, None, None, cfg, 0, eps, norm_eps)
+    ws = _mix_logits(X, fn, hc, cfg)
+    _mix(X, ws, hc, base, scale, y, None, None, cfg, 0, eps, norm_eps)
     return y
 
 

@@ -27,21 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, interpreting, next_pow2, pdl_args, pdl_start, tl, triton
+from moebox.ops.triton.runtime import (HAVE_TRITON, cdiv, device_cos, device_sin,  # noqa: F401
+                                       interpreting, next_pow2, pdl_args, pdl_start, tl, triton)
 
 TILE = 1024   # elements a program holds (heads per program: TILE // padded head width, at least 1)
 
 if HAVE_TRITON:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _cos_sin(f, PRECISE: tl.constexpr):
-        """(cos f, sin f): libdevice's on CUDA (accurate at large angles), tl's (numpy) in the interpreter."""
-        if PRECISE:
-            return libdevice.cos(f), libdevice.sin(f)
-        else:
-            return tl.cos(f), tl.sin(f)
-
     @triton.jit
     def _normed(x, rstd, w_ptrs, mask, HAS_WEIGHT: tl.constexpr):
         """x * rstd (* weight) in fp32, rounded to x's dtype as `rms_norm` returns it."""
@@ -74,7 +65,8 @@ if HAVE_TRITON:
             x = _normed(x, rstd, w_ptr + cols, cols < D, HAS_WEIGHT)
             xr = _normed(xr, rstd, w_ptr + rc, rm, HAS_WEIGHT)
             xp = _normed(xp, rstd, w_ptr + pc, rm, HAS_WEIGHT)
-        cos, sin = _cos_sin(pos * tl.load(inv_ptr + r // 2, mask=r < RD, other=0.0), PRECISE)
+        f = pos * tl.load(inv_ptr + r // 2, mask=r < RD, other=0.0)
+        cos, sin = device_cos(f, PRECISE), device_sin(f, PRECISE)
         sin = tl.where(r % 2 == 0, -sin, sin)
         rot = xr.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]
         tl.store(dst + cols, x, mask=m & (cols < D - RD))

@@ -211,6 +211,34 @@ def kernel_or_fallback(name: str, switch: str, kernel: Callable[[], T], fallback
 
 
 if HAVE_TRITON:
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # pragma: no cover - older triton
+        libdevice = None
+
+    # exp, cos and sin as kernels that must match torch's fp32 results take them: PRECISE (CUDA) libdevice's, with
+    # full range reduction; else tl's (the interpreter: numpy's, as accurate)
+    @triton.jit
+    def device_exp(x, PRECISE: tl.constexpr):
+        if PRECISE:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def device_cos(x, PRECISE: tl.constexpr):
+        if PRECISE:
+            return libdevice.cos(x)
+        else:
+            return tl.cos(x)
+
+    @triton.jit
+    def device_sin(x, PRECISE: tl.constexpr):
+        if PRECISE:
+            return libdevice.sin(x)
+        else:
+            return tl.sin(x)
+
     @triton.jit
     def pdl_start(PDL: tl.constexpr):
         """A kernel's first statement: with PDL, wait until the kernel before it has finished (its writes
@@ -219,11 +247,12 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 else:
-    pdl_start = None
+    pdl_start = device_exp = device_cos = device_sin = None
 
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
            "num_sms", "interpreting", "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump",
            "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
-           "pdl_enabled", "pdl_args", "pdl_start"]
+           "pdl_enabled", "pdl_args", "pdl_start", "device_exp",
+           "device_cos", "device_sin"]
 
