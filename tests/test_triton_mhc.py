@@ -432,14 +432,14 @@ def test_gpu_prefill_forced_tilings_and_strides() -> None:
 def test_gpu_dispatch_takes_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
     from moebox.ops.triton import mhc as fused
     calls = []
-    for name in ("hc_pre_triton", "hc_post_triton", "hc_head_triton"):
+    for name in ("hc_pre_triton", "hc_post_chain_triton", "hc_head_triton"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     X, fn, base, scale = site(3, 4, 256, torch.bfloat16, "cuda")
     x, post, comb = mhc.hc_pre(X, fn, base, scale, **KW)
     mhc.hc_post(x, X, post, comb)
     mhc.hc_head(X, fn[:4], base[:4], scale[:1], eps=1e-6, norm_eps=1e-6)
-    assert calls == ["hc_pre_triton", "hc_post_triton", "hc_head_triton"]
+    assert calls == ["hc_pre_triton", "hc_post_chain_triton", "hc_head_triton"]
     mhc.hc_post(x.float(), X, post, comb)  # out of another dtype: the reference
     assert len(calls) == 3
 
