@@ -300,6 +300,8 @@ if HAVE_TRITON:
 
 
     # ------------------------------------------------------------------------------------ mma variant
+    _MMA_SLOTS = (0, 1, 4, 5, 2, 3, 6, 7)   # D register k of chain k // 4 -> acc slot (see `_mma_asm`)
+
     def _mma_asm() -> str:
         """PTX for one pack of 8 elements of a [16*S, 16] word tile: one lane's words 4t..4t+3 (slot i) of its
         two rows (rep rho: rows g and g+8 of the m16n8k16 fragment). Operands: $0..$7 out acc, $8.. codes,
@@ -307,7 +309,7 @@ if HAVE_TRITON:
         of word i), $56.. acc in. Slot 4 rho + i of acc holds D[row rho][column 2t + i % 2]; words 0-1 and
         2-3 accumulate in two mma chains (i // 2)."""
         codes, scales, xs, acc = 8, 16, 24, 56
-        slot = (0, 1, 4, 5, 2, 3, 6, 7)   # D register k of chain k // 4 -> acc slot
+        slot = _MMA_SLOTS
         asm = ["{", ".reg .b32 lut<4>, lob<4>, y<4>, yh<4>, p<16>, t;", ".reg .f32 d<8>;"]
         asm += [f"mov.b32 d{k}, ${acc + slot[k]};" for k in range(8)]
         for rho in range(2):
@@ -594,19 +596,23 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     hw, iw = hidden // 16, inter // 16
     tx, th = _TERMS[x.dtype], 3 if x.dtype == torch.float32 else 2
     pairs = n * k
-    if xp is None:
-        xp = _pack_x(x, _empty_packed(x))
-    hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
     use_asm = not interpreting()
     pdl = pdl_args(x)
+    if xp is None:
+        xp = _pack(x, pdl)
+    hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
-    _gate_up_mma_kernel[(pairs, iw)](
-        xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
-        w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
-        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm,
-        num_warps=gate_split, num_stages=1, **pdl)
+    if isinstance(xp, tuple):   # the FP8 gate-up (w2_gate_e8)
+        from moebox.ops.triton.w2_gate_e8 import gate_up_e8
+        gate_up_e8(xp, ids, rw, w1c, w1s, w3c, w3s, hp, limit, k, gate_split, use_asm, pdl)
+    else:
+        _gate_up_mma_kernel[(pairs, iw)](
+            xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
+            w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
+            I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
+            USE_ASM=use_asm,
+            num_warps=gate_split, num_stages=1, **pdl)
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
@@ -614,9 +620,29 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         num_warps=down_split, num_stages=1, **pdl)
 
 
-def _empty_packed(x: torch.Tensor) -> torch.Tensor:
+def _takes_e8(n: int) -> bool:
+    """Whether a call of n tokens takes the FP8 gate-up (`w2_gate_e8`, an experiment: MOEBOX_W2_E8)."""
+    from moebox.ops.triton.w2_gate_e8 import e8_from_tokens
+    least = e8_from_tokens()
+    return 0 < least <= n
+
+
+def _empty_packed(x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x's packing buffers: bf16 terms in the pair layout, or the FP8 gate-up's (`w2_gate_e8.empty_e8`)."""
     n, hidden = x.shape
+    if _takes_e8(n):
+        from moebox.ops.triton.w2_gate_e8 import empty_e8
+        return empty_e8(x)
     return torch.empty((n, _TERMS[x.dtype], hidden // 16, 8), dtype=torch.int32, device=x.device)
+
+
+def _pack(x: torch.Tensor, pdl: dict, xp=None):
+    """x packed into xp (`_empty_packed(x)` when None) for the kernels that read it."""
+    xp = _empty_packed(x) if xp is None else xp
+    if isinstance(xp, tuple):
+        from moebox.ops.triton.w2_gate_e8 import pack_x_e8
+        return pack_x_e8(x, xp, pdl)
+    return _pack_x(x, xp)
 
 
 def _pack_x(x: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
@@ -659,7 +685,7 @@ def pack_x_ahead(x: torch.Tensor, w1_codes: torch.Tensor, w3_codes: torch.Tensor
         return None
     xp = _empty_packed(x)
     with Branch(x, "pack", reads=(x,), purpose="pack") as branch:
-        _pack_x(x, xp)
+        _pack(x, pdl_args(x), xp)
     return PackedX(xp, branch)
 
 
