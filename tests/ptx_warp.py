@@ -1,8 +1,7 @@
 """A one-warp emulator of the few PTX instructions the kernels' inline asm uses (moebox/ops/triton/w2_moe.py,
-w2_gate_e8.py, fp8_mma.py): the tests run the asm text itself on the CPU, with mma.sync's fragments (m16n8k16
-bf16/f16, m16n8k32 e4m3) laid out as the PTX ISA defines them (lane = 4 * groupID + threadID_in_group) and
-conversions done by numpy/torch, so a wrong register, fragment slot or byte order in the asm fails a test
-without a GPU."""
+fp8_mma.py): the tests run the asm text itself on the CPU, with mma.sync.m16n8k16's fragments laid out as
+the PTX ISA defines them (lane = 4 * groupID + threadID_in_group) and conversions done by numpy/torch, so a
+wrong register, fragment slot or byte order in the asm fails a test without a GPU."""
 
 from __future__ import annotations
 
@@ -27,43 +26,25 @@ def _pair(v: int, kind: str) -> tuple[float, float]:
     return tuple(float(h) for h in np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16))
 
 
-def _e4m3x4(v: int) -> list[float]:
-    """The four e4m3 bytes of v as floats, byte 0 first."""
-    return torch.tensor([(v >> s) & 0xFF for s in (0, 8, 16, 24)], dtype=torch.uint8).view(
-        torch.float8_e4m3fn).float().tolist()
-
-
 def _mma(op: str, rest: str, regs: list[dict]) -> None:
     kind = {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32": "bf16",
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": "f16",
-            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32": "e4m3"}[op]
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": "f16"}[op]
     groups = [grp.replace("{", "").split(",") for grp in rest.split("}")[:4]]
     d, a, b, c = ([x.strip(", ") for x in grp if x.strip(", ")] for grp in groups)
-    kk = 32 if kind == "e4m3" else 16
-    A, B, C = np.zeros((16, kk)), np.zeros((kk, 8)), np.zeros((16, 8))
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
     c_slots = lambda g, t: ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))   # noqa: E731
     for lane, r in enumerate(regs):
         g, t = lane >> 2, lane & 3
-        if kind == "e4m3":   # 4 bytes a register: A rows g, g+8 at K 4t.. and 16 + 4t..; B column g likewise
-            for q, (row, k0) in enumerate(((g, 4 * t), (g + 8, 4 * t), (g, 4 * t + 16), (g + 8, 4 * t + 16))):
-                A[row, k0:k0 + 4] = _e4m3x4(r[a[q]])
-            for q, k0 in enumerate((4 * t, 4 * t + 16)):
-                B[k0:k0 + 4, g] = _e4m3x4(r[b[q]])
-        else:
-            for q, (row, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                A[row, k0:k0 + 2] = _pair(r[a[q]], kind)
-            for q, k0 in enumerate((2 * t, 2 * t + 8)):
-                B[k0:k0 + 2, g] = _pair(r[b[q]], kind)
+        for q, (row, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            A[row, k0:k0 + 2] = _pair(r[a[q]], kind)
+        for q, k0 in enumerate((2 * t, 2 * t + 8)):
+            B[k0:k0 + 2, g] = _pair(r[b[q]], kind)
         for q, (row, col) in enumerate(c_slots(g, t)):
             C[row, col] = f32(r[c[q]])
     D = (A @ B + C).astype(np.float32)
     for lane, r in enumerate(regs):
         for q, (row, col) in enumerate(c_slots(lane >> 2, lane & 3)):
             r[d[q]] = f32_bits(D[row, col])
-
-
-def _signed(v: int) -> int:
-    return v - (1 << 32) if v & 0x80000000 else v
 
 
 def _scalar(op: str, v: list[int]) -> int:
@@ -75,14 +56,6 @@ def _scalar(op: str, v: list[int]) -> int:
         return v[0] << v[1]
     if op == "and.b32":
         return v[0] & v[1]
-    if op == "sub.s32":
-        return v[0] - v[1]
-    if op == "setp.lt.s32":   # a predicate register: 1 or 0
-        return int(_signed(v[0]) < _signed(v[1]))
-    if op == "selp.b32":
-        return v[0] if v[2] else v[1]
-    if op == "add.f32":
-        return f32_bits(np.float32(f32(v[0])) + np.float32(f32(v[1])))
     if op in ("mul.lo.u32", "mad.lo.u32"):
         return v[0] * v[1] + (v[2] if len(v) > 2 else 0)
     if op == "lop3.b32":

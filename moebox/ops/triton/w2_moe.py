@@ -84,11 +84,18 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   Next: gate-up is now issue-bound (ncu at N = 8: 67% SM throughput, 0.5 issued a cycle a scheduler, 128
   registers, 4 warps a scheduler), and 0.5 a cycle is what the integer ALU pipe takes (16 lanes a scheduler):
   PRMT, LOP3 and SHF are ~70% of the loop, so fewer ALU ops a weight is the lever (moving the shifts to the
-  FMA pipe as IMAD.HI lost, see above). Candidates: e4m3 weights from the PRMT (4 a PRMT instead of 2, into
-  mma m16n8k32 e4m3; the scale then has to fit e4m3's exponent range, x and h become e4m3 terms); and, for
-  verify steps whose tokens share experts, grouping the (token, expert) pairs by expert (the mma has 8
-  columns: up to 8/T tokens of one expert per unpack; random routing at N = 8 has ~44 distinct experts in 48
-  pairs, so the bench would not show it).
+  FMA pipe as IMAD.HI lost, see above). Tried and dropped (eighteenth session, commit 07e2fd2 has the code): e4m3
+  weights, 4 a PRMT straight from a word's codes (9 integer ops a word instead of 19), the scale folded into the
+  PRMT's table against a per-row reference exponent, x as e4m3 terms, into mma.sync m16n8k32 e4m3. ptxas emulates
+  FP8 mma.sync on sm_90 (each one 2 f16 HMMAs and F2FP conversions of the bytes): the loop went from 1.71 to 1.98
+  instructions a weight and the call lost 16-26% at N = 1-16. The s8 form of the same mma (IMMA.16832) is native on
+  sm_90 (that build: 1.20 instructions a weight; integer ALU ops 311 -> 183 a loop iteration), but an s8 weight
+  holds level * 2^d only for d = 0..4, 5 exponents, fewer than a row's scales take (the bench's random planes: 6):
+  exact s8 needs each mma's 32 K values of a row in one scale group (then the LUT is constant and the scale is
+  applied per group after an s32 mma), i.e. a GPU-side plane layout in which the 4 lanes of a row read one group,
+  and x/h as s8 terms with a per-token / per-pair scale. Also open: for verify steps whose tokens share experts,
+  grouping the (token, expert) pairs by expert (the mma has 8 columns: up to 8/T tokens of one expert per unpack;
+  random routing at N = 8 has ~44 distinct experts in 48 pairs, so the bench would not show it).
 
 Variant "fma" (CUDA cores, exact fp32): `_gate_up_kernel`, grid (N*k, I/ROWS), and `_down_kernel`, grid
 (N, H/ROWS), same split of the work; [ROWS, WORDS] int32 tiles, per word ~10 ops give a "big" bit (codes 0, 3)
@@ -300,8 +307,6 @@ if HAVE_TRITON:
 
 
     # ------------------------------------------------------------------------------------ mma variant
-    _MMA_SLOTS = (0, 1, 4, 5, 2, 3, 6, 7)   # D register k of chain k // 4 -> acc slot (see `_mma_asm`)
-
     def _mma_asm() -> str:
         """PTX for one pack of 8 elements of a [16*S, 16] word tile: one lane's words 4t..4t+3 (slot i) of its
         two rows (rep rho: rows g and g+8 of the m16n8k16 fragment). Operands: $0..$7 out acc, $8.. codes,
@@ -309,7 +314,7 @@ if HAVE_TRITON:
         of word i), $56.. acc in. Slot 4 rho + i of acc holds D[row rho][column 2t + i % 2]; words 0-1 and
         2-3 accumulate in two mma chains (i // 2)."""
         codes, scales, xs, acc = 8, 16, 24, 56
-        slot = _MMA_SLOTS
+        slot = (0, 1, 4, 5, 2, 3, 6, 7)   # D register k of chain k // 4 -> acc slot
         asm = ["{", ".reg .b32 lut<4>, lob<4>, y<4>, yh<4>, p<16>, t;", ".reg .f32 d<8>;"]
         asm += [f"mov.b32 d{k}, ${acc + slot[k]};" for k in range(8)]
         for rho in range(2):
@@ -596,23 +601,19 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     hw, iw = hidden // 16, inter // 16
     tx, th = _TERMS[x.dtype], 3 if x.dtype == torch.float32 else 2
     pairs = n * k
+    if xp is None:
+        xp = _pack_x(x, _empty_packed(x))
+    hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
     use_asm = not interpreting()
     pdl = pdl_args(x)
-    if xp is None:
-        xp = _pack(x, pdl)
-    hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
-    if isinstance(xp, tuple):   # the FP8 gate-up (w2_gate_e8)
-        from moebox.ops.triton.w2_gate_e8 import gate_up_e8
-        gate_up_e8(xp, ids, rw, w1c, w1s, w3c, w3s, hp, limit, k, gate_split, use_asm, pdl)
-    else:
-        _gate_up_mma_kernel[(pairs, iw)](
-            xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
-            w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
-            I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-            USE_ASM=use_asm,
-            num_warps=gate_split, num_stages=1, **pdl)
+    _gate_up_mma_kernel[(pairs, iw)](
+        xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
+        w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
+        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
+        USE_ASM=use_asm,
+        num_warps=gate_split, num_stages=1, **pdl)
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
@@ -620,29 +621,9 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         num_warps=down_split, num_stages=1, **pdl)
 
 
-def _takes_e8(n: int) -> bool:
-    """Whether a call of n tokens takes the FP8 gate-up (`w2_gate_e8`, an experiment: MOEBOX_W2_E8)."""
-    from moebox.ops.triton.w2_gate_e8 import e8_from_tokens
-    least = e8_from_tokens()
-    return 0 < least <= n
-
-
-def _empty_packed(x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x's packing buffers: bf16 terms in the pair layout, or the FP8 gate-up's (`w2_gate_e8.empty_e8`)."""
+def _empty_packed(x: torch.Tensor) -> torch.Tensor:
     n, hidden = x.shape
-    if _takes_e8(n):
-        from moebox.ops.triton.w2_gate_e8 import empty_e8
-        return empty_e8(x)
     return torch.empty((n, _TERMS[x.dtype], hidden // 16, 8), dtype=torch.int32, device=x.device)
-
-
-def _pack(x: torch.Tensor, pdl: dict, xp=None):
-    """x packed into xp (`_empty_packed(x)` when None) for the kernels that read it."""
-    xp = _empty_packed(x) if xp is None else xp
-    if isinstance(xp, tuple):
-        from moebox.ops.triton.w2_gate_e8 import pack_x_e8
-        return pack_x_e8(x, xp, pdl)
-    return _pack_x(x, xp)
 
 
 def _pack_x(x: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
@@ -685,7 +666,7 @@ def pack_x_ahead(x: torch.Tensor, w1_codes: torch.Tensor, w3_codes: torch.Tensor
         return None
     xp = _empty_packed(x)
     with Branch(x, "pack", reads=(x,), purpose="pack") as branch:
-        _pack(x, pdl_args(x), xp)
+        _pack_x(x, xp)
     return PackedX(xp, branch)
 
 
