@@ -74,7 +74,6 @@ def tiny_decode_logits(model, cfg, steps: int, cache_len: int = 64):
 def switch_result(model, cfg, switch: str, steps: int) -> dict:
     """A script's result row for the tiny model's `steps` decode steps with MOEBOX_<switch> = "1" (the kernel)
     against "0" (the torch path), in the form `check_in_interpreter` reads."""
-    import os
     runs = {}
     for flag in ("1", "0"):
         os.environ[switch] = flag
@@ -82,4 +81,3 @@ def switch_result(model, cfg, switch: str, steps: int) -> dict:
     got, ref = runs["1"], runs["0"]
     return dict(case="tiny model decode", same_buffer=True, finite=bool(got.isfinite().all()),
                 rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm()))
-
