@@ -1,6 +1,7 @@
 """Programmatic dependent launch (on by default, MOEBOX_PDL=0 turns it off): a kernel launched early must wait
-for its predecessor before it reads anything, or it races with it. Checked on the sources of every kernel, and
-in the sm_90 build of one."""
+for its predecessor before it reads anything that kernel may write, or it races with it. Only constant inputs
+(weights, and the decode experts' ids, which the routing wrote two launches earlier) may be read before the
+wait. Checked on the sources of every kernel, and in the sm_90 builds of two."""
 
 from __future__ import annotations
 
@@ -40,16 +41,52 @@ def _launches() -> list[tuple[str, ast.Call, set[str]]]:
     return out
 
 
-def test_every_launched_kernel_waits_for_its_predecessor_first():
+# The pointer arguments a kernel reads before its PDL wait: weights only (their loads overlap the kernel before).
+# The routed experts' down kernel also reads the expert ids: the routing wrote them before gate-up, the kernel
+# between, could start.
+READ_BEFORE_WAIT = {
+    "fp8_mma.py:_fp8_mma_kernel": {"w_ptr", "s_ptr"},
+    "w2_moe.py:_down_mma_kernel": {"w2c_ptr", "w2s_ptr", "ids_ptr"},
+}
+
+
+def _read_before_wait(fn: ast.FunctionDef, helpers: set[str]) -> set[str]:
+    """The pointer arguments (`*_ptr`) that fn's loads and helper calls (which may load) reach before its
+    top-level `pdl_start(PDL)`, following the assignments before it."""
+    body = [n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    wait = next(i for i, n in enumerate(body) if ast.unparse(n) == "pdl_start(PDL)")
+    deps: dict[str, set[str]] = {a.arg: {a.arg} for a in fn.args.args}
+
+    def reach(node: ast.AST) -> set[str]:
+        return set().union(*(deps.get(n.id, set()) for n in ast.walk(node) if isinstance(n, ast.Name)))
+
+    read: set[str] = set()
+    for stmt in body[:wait]:
+        for node in ast.walk(stmt):   # assignments (in nested ifs too) in source order
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                    deps[name] = reach(node.value) | (deps.get(name, set()) if isinstance(node, ast.AugAssign)
+                                                      else set())
+            if isinstance(node, ast.Call) and (ast.unparse(node.func) == "tl.load" or ast.unparse(node.func) in helpers):
+                read |= reach(ast.Module(body=[ast.Expr(a) for a in [*node.args, *(k.value for k in node.keywords)]],
+                                         type_ignores=[]))
+    return {a for a in read if a.endswith("_ptr")}
+
+
+def test_every_launched_kernel_waits_for_its_predecessor_before_reading_its_output():
     kernels = _kernels()
+    helpers = {name.split(":")[1] for name in kernels}
     launched = {name for name, _, _ in _launches()}
     assert len(launched) >= 14
+    assert set(READ_BEFORE_WAIT) <= launched
     for name in launched:
         fn = kernels[name]
         assert "PDL" in [a.arg for a in fn.args.args], f"{name} takes no PDL flag"
-        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
-            else fn.body
-        assert ast.unparse(body[0]) == "pdl_start(PDL)", f"{name} does not start with pdl_start(PDL)"
+        assert "pdl_start(PDL)" in [ast.unparse(n) for n in fn.body], f"{name} never calls pdl_start(PDL)"
+        early = _read_before_wait(fn, helpers)
+        assert early <= READ_BEFORE_WAIT.get(name, set()), f"{name} reads {early} before its PDL wait"
+        assert early == READ_BEFORE_WAIT.get(name, set()), f"{name}: READ_BEFORE_WAIT is stale ({early})"
     for name, call, bound in _launches():
         spread = [k.value for k in call.keywords if k.arg is None]
         assert any("pdl_args(" in ast.unparse(v) or (isinstance(v, ast.Name) and v.id in bound) for v in spread), \

@@ -241,8 +241,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def pdl_start(PDL: tl.constexpr):
-        """A kernel's first statement: with PDL, wait until the kernel before it has finished (its writes
-        visible), then let the kernel after it launch."""
+        """With PDL, wait until the kernel before has finished (its writes visible), then let the kernel after
+        launch. A kernel's first statement, or the first after loads of constant inputs (weights), which may
+        overlap the kernel before: tests/test_triton_pdl.py lists the kernels that do (READ_BEFORE_WAIT)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()

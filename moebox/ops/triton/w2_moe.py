@@ -52,7 +52,11 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   (L1/TEX 70-95% of peak against 19-40% of DRAM); the tiled order cut down's time at N = 8 from 98 to 65 us
   (docs/benchmarks.md, ninth session). h rows are computed in that order.
   Loads: the code/scale tiles of the step `prefetch` (1 or 2) steps ahead are issued before this step's math
-  (loop unrolled by 2 for depth 2, no register copies); x/h come from L2/L1 in the step.
+  (loop unrolled by 2 for depth 2, no register copies); x/h come from L2/L1 in the step. Down loads its first
+  tiles (and the expert ids they need) before its PDL wait: the planes are constant and the routing that wrote
+  the ids finished before gate-up, the kernel in between, started; only h is gate-up's (nineteenth session:
+  batch 1 5.60 -> 5.56 ms, batch 8 12.36 -> 12.26 with the FP8 mma kernel's early load). Gate-up cannot: its
+  ids come from the kernel right before it.
   SASS of the loop body (sm_90, bf16 x, gate_split 4 / down_split 8, prefetch 2; Triton 3.6 and 3.9 agree
   within 0.05): 1.66 instructions per weight for gate-up (PRMT 0.53, SHF/IMAD-shift/LOP3 ~0.92, HMMA 0.125,
   LDG 0.06), 1.90 for down (per-unit expert lookup and addresses); 130 / 80 registers, no spills. At N=1 that
@@ -512,7 +516,6 @@ if HAVE_TRITON:
                          out_row_stride, c_expert_stride, s_expert_stride,
                          IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
                          PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
-        pdl_start(PDL)
         t = tl.program_id(0)
         rb = tl.program_id(1)
         g, sp, rho, w = _tile_coords(S)
@@ -532,6 +535,9 @@ if HAVE_TRITON:
         if PREFETCH == 2:
             dc, ds, dp, db = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride,
                                          s_expert_stride, t, sp + S, K, TILES)
+        # The first tiles load before the PDL wait: the planes are constant and the expert ids come from the
+        # routing, which finished before gate-up (the kernel before) could start; only h is gate-up's.
+        pdl_start(PDL)
         for u0 in tl.range(0, K * TILES, S, loop_unroll_factor=PREFETCH):
             nc, ns, np_, nb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride,
                                           s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES)
