@@ -97,7 +97,13 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   holds level * 2^d only for d = 0..4, 5 exponents, fewer than a row's scales take (the bench's random planes: 6):
   exact s8 needs each mma's 32 K values of a row in one scale group (then the LUT is constant and the scale is
   applied per group after an s32 mma), i.e. a GPU-side plane layout in which the 4 lanes of a row read one group,
-  and x/h as s8 terms with a per-token / per-pair scale. Also open: for verify steps whose tokens share experts,
+  and x/h as s8 terms with a per-token / per-pair scale. Counted before building it (nineteenth session, the
+  sm_90 SASS of that step on the CPU, assuming the relaid planes: 4 PRMT an mma from a constant table, the s32
+  result read as a float through the accumulator's magic 0x4B400000, then one FFMA with the group's 2^s and one
+  FADD into fp32 per result): 2.01 instructions a weight against the bf16 loop's 1.71, although its integer ALU
+  ops fall from 312 to 196 a loop iteration: the 4 results an mma of 16 weights a lane each cost 2 float ops
+  (64 FFMA, 64 FADD, 32 FMUL, 32 scale IMADs an iteration). The e4m3 form above, at 1.98, was 16-26% slower, so
+  exact s8 is not the lever either. Also open: for verify steps whose tokens share experts,
   grouping the (token, expert) pairs by expert (the mma has 8 columns: up to 8/T tokens of one expert per unpack;
   random routing at N = 8 has ~44 distinct experts in 48 pairs, so the bench would not show it).
 
