@@ -12,6 +12,8 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context)
+#   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
+#                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
 #   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
 #                                       # them, PDL off and on ($OUT/timeline-pdl0.tsv, timeline-pdl1.tsv)
 #   bash bench/gpu_session.sh train     # train the demo from a carried corpus (CORPUS, RUN_DIR, MINUTES or
@@ -35,7 +37,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -123,6 +125,19 @@ ab)                           # AB="..." picks the switches (default: each part 
         # shellcheck disable=SC2086  # a switch may set several variables: A=1,B=1
         step "decode-$switch" env ${switch//,/ } python3 -m moebox.bench.decode decode --context ${AB_CONTEXT:-4096} \
             --batch ${AB_BATCH:-1 16} --no-breakdown
+    done
+    ;;
+versions)                     # the decode bench of a base tree (BASE_DIR) against this one, alternating in one call
+    # BASE_DIR: a copy of the base commit made on the CPU box and carried, e.g. `mkdir -p .probe/base && git archive
+    # HEAD | tar x -C .probe/base` (the device gets no .git); ORDER: "base" / "new", each optionally ":A=1,B=2"
+    for spec in ${ORDER:-base new base new}; do
+        tree=${spec%%:*}; envs=""; [ "$spec" != "$tree" ] && envs=${spec#*:}
+        dir=.; [ "$tree" = base ] && dir=${BASE_DIR:?BASE_DIR: the base tree}
+        # shellcheck disable=SC2086  # envs holds several assignments; AB_BATCH several sizes
+        step "decode-$spec" env -C "$dir" ${envs//,/ } python3 -m moebox.bench.decode decode \
+            --context ${AB_CONTEXT:-4096} --batch ${AB_BATCH:-1 2 4 8 16} --no-breakdown
+        grep -E "^\| *[0-9]+ \| *[0-9]+ \|" "$log" | tail -n "$(echo ${AB_BATCH:-1 2 4 8 16} | wc -w)" \
+            | awk -F'|' -v s="$spec" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
     done
     ;;
 train)
