@@ -1,7 +1,7 @@
 """Programmatic dependent launch (on by default, MOEBOX_PDL=0 turns it off): a kernel launched early must wait
 for its predecessor before it reads anything that kernel may write, or it races with it. Only constant inputs
 (weights, and the decode experts' ids, which the routing wrote two launches earlier) may be read before the
-wait. Checked on the sources of every kernel, and in the sm_90 builds of two."""
+wait. Checked on the sources of every kernel, and in the sm_90 build of one."""
 
 from __future__ import annotations
 
@@ -68,9 +68,8 @@ def _read_before_wait(fn: ast.FunctionDef, helpers: set[str]) -> set[str]:
                 for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
                     deps[name] = reach(node.value) | (deps.get(name, set()) if isinstance(node, ast.AugAssign)
                                                       else set())
-            if isinstance(node, ast.Call) and (ast.unparse(node.func) == "tl.load" or ast.unparse(node.func) in helpers):
-                read |= reach(ast.Module(body=[ast.Expr(a) for a in [*node.args, *(k.value for k in node.keywords)]],
-                                         type_ignores=[]))
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in helpers | {"tl.load"}:
+                read |= set().union(*(reach(a) for a in [*node.args, *(k.value for k in node.keywords)]))
     return {a for a in read if a.endswith("_ptr")}
 
 
