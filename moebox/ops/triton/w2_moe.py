@@ -102,8 +102,12 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   result read as a float through the accumulator's magic 0x4B400000, then one FFMA with the group's 2^s and one
   FADD into fp32 per result): 2.01 instructions a weight against the bf16 loop's 1.71, although its integer ALU
   ops fall from 312 to 196 a loop iteration: the 4 results an mma of 16 weights a lane each cost 2 float ops
-  (64 FFMA, 64 FADD, 32 FMUL, 32 scale IMADs an iteration). The e4m3 form above, at 1.98, was 16-26% slower, so
-  exact s8 is not the lever either. Also open: for verify steps whose tokens share experts,
+  (64 FFMA, 64 FADD, 32 FMUL, 32 scale IMADs an iteration). If the loop is bound by its total issue (the e4m3
+  form's 16-26% loss matched its 1.98 / 1.71), s8 would lose ~18%; if by the integer pipe (the bf16 loop issues
+  ~0.5 a cycle a scheduler, 70% of it PRMT/SHF/LOP3; 2 cycles each), up to ~1.2x (622 pipe cycles a loop
+  iteration against s8's 514 instructions at one a cycle). Timing settles it
+  without the relayout: `python -m bench.w2_s8_probe` runs both loops on the same planes (not yet run on a GPU).
+  Also open: for verify steps whose tokens share experts,
   grouping the (token, expert) pairs by expert (the mma has 8 columns: up to 8/T tokens of one expert per unpack;
   random routing at N = 8 has ~44 distinct experts in 48 pairs, so the bench would not show it).
 
