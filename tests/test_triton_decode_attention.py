@@ -215,7 +215,11 @@ _INTERPRETER_CHECK = textwrap.dedent("""
              ("hca", 1, 4, 16, 8, 4, 0, f16, one, ()),
              ("hca", 3, 2, 16, 16, 4, 0, f32, two, (0, 2)),
              ("csa", 3, 4, 32, 16, 12, 4, f32, AttendConfig(block_k=16, split=1, num_warps=2), (1,)),
-             ("hca", 3, 4, 32, 16, 12, 0, f16, AttendConfig(block_k=32), (2,))]
+             ("hca", 3, 4, 32, 16, 12, 0, f16, AttendConfig(block_k=32), (2,)),
+             # the combine's splits unrolled (3 splits in 4 slots: one masked) and looped over, fp32 and fp16
+             ("csa", 3, 4, 32, 16, 12, 4, f32, AttendConfig(block_k=8, split=3, combine_unroll=4), (1,)),
+             ("hca", 3, 4, 32, 16, 12, 0, f16, AttendConfig(block_k=8, split=3, combine_heads=2, combine_block_d=16,
+                                                          combine_unroll=4), (0,))]
     for i, (kind, b, nh, d, r, e, k, dt, cfg, masked) in enumerate(cases):
         inp = tiny(kind, b, nh, d, r, e, k, dt, seed=i, masked=masked, fill=0.5 if i % 2 else 1.0)
         add(f"{kind} B={b} nh={nh} d={d} R={r} E={e} k={k} {dt}", inp, cfg, tol[dt], masked)
@@ -249,6 +253,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     from moebox.ops.rope import apply_rope, rope_inv_freq
     for i, (rd, cfg) in enumerate(((16, AttendConfig(block_k=16, split=2)),
                                    (24, AttendConfig(block_k=16, split=2, combine_block_d=16)),
+                                   (24, AttendConfig(block_k=16, split=2, combine_block_d=16, combine_unroll=2)),
                                    (16, AttendConfig(block_k=16, split=1)))):
         inp = tiny("csa", 3, 4, 32, 16, 12, 4, f32, seed=30 + i, masked=(1,))
         rope = (torch.tensor([5, 4093, 70000]), rope_inv_freq(rd, 10000.0, None))
@@ -389,7 +394,8 @@ def test_gpu_dtypes(case: str) -> None:
 @pytest.mark.parametrize("config", [AttendConfig(split=1), AttendConfig(split=21), AttendConfig(heads=64, num_warps=8),
                                     AttendConfig(heads=32, block_k=64), AttendConfig(block_k=16, num_stages=3),
                                     AttendConfig(heads=16, block_k=64, split=5, combine_heads=64,
-                                                 combine_block_d=512)],
+                                                 combine_block_d=512),
+                                    AttendConfig(split=11, combine_heads=8, combine_block_d=64, combine_unroll=16)],
                          ids=lambda c: f"h{c.heads}k{c.block_k}s{c.split}w{c.num_warps}")
 @pytest.mark.gpu
 @needs_cuda

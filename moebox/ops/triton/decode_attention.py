@@ -35,7 +35,9 @@ Kernel 1, `_attend_kernel`, grid (B, SPLIT, head groups): program (b, s, g) take
   [B, SPLIT, nh, d] / [B, SPLIT, nh].
 Kernel 2, `_combine_kernel`, grid (B, head blocks, d blocks): M = max_s m_s (>= the sink), L = sum_s l_s
   exp(m_s - M) + exp(sink - M), o = sum_s acc_s exp(m_s - M) / L, splits summed in a fixed order
-  (deterministic, no atomics, nothing to zero).
+  (deterministic, no atomics, nothing to zero). At batch 1 it is 16 programs, each loading its splits one
+  after the other (4.1 us a CSA layer on the H200, fifteenth session); `combine_unroll` issues a program's
+  split loads together, unrolled over S_PAD with masks (in the sweep with smaller tiles; not yet timed).
 
 The [nh, d] accumulator: with all 64 heads of a V4-Flash sequence in one program it is 64 x 512 fp32 = 128 KB,
 more than a program's registers can hold beside the q block (64 KB bf16) and a key tile: built for sm_90 it
@@ -97,7 +99,9 @@ class AttendConfig:
     """Tiling of `_attend_kernel`: `heads` heads per program (0 = all; rounded up to a power of two >= 16),
     BLOCK_K = `block_k` keys per tile, `split` key ranges per sequence (0 = automatic: about `waves` x SMs
     programs, at least `min_tiles` tiles per split), num_warps / num_stages of the main kernel; the combine
-    kernel takes `combine_heads` heads x `combine_block_d` columns per program."""
+    kernel takes `combine_heads` heads x `combine_block_d` columns per program, and with up to
+    `combine_unroll` splits (0: never) issues every split's loads at once (one L2 round trip) instead of one
+    split after the other."""
 
     heads: int = 16
     block_k: int = 32
@@ -108,6 +112,7 @@ class AttendConfig:
     min_tiles: int = 2
     combine_heads: int = 16
     combine_block_d: int = 128
+    combine_unroll: int = 0
 
 
 DEFAULT_CONFIG = AttendConfig()
@@ -260,9 +265,10 @@ if HAVE_TRITON:
     @triton.jit
     def _combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, pos_ptr, inv_ptr, out_ptr, NH, NSPLIT, s_ob, s_oh,
                         D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, S_PAD: tl.constexpr, RD: tl.constexpr,
-                        PDL: tl.constexpr):
+                        UNROLL: tl.constexpr, PDL: tl.constexpr):
         """out[b, heads, cols] from the SPLIT partials of sequence b, summed in split order; RD > 0: the
-        trailing RD columns of each head rotated back by position pos[b] (`_unrope`)."""
+        trailing RD columns of each head rotated back by position pos[b] (`_unrope`). UNROLL: the S_PAD splits
+        unrolled with masks (their loads issued together; a masked split adds 0), else a loop over NSPLIT."""
         pdl_start(PDL)
         b = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -280,11 +286,20 @@ if HAVE_TRITON:
         den = tl.sum(pl * tl.exp(pm - big[None, :]), axis=0) + tl.exp(sink - big)
         acc = tl.zeros([HB, BD], dtype=tl.float32)
         mhd = mh[:, None] & md[None, :]
-        for s in range(0, NSPLIT):
-            row_s = (b * NSPLIT + s) * NH + offs_h
-            w = tl.exp(tl.load(pm_ptr + row_s, mask=mh, other=0.0) - big)
-            o = tl.load(po_ptr + row_s.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mhd, other=0.0)
-            acc += o * w[:, None]
+        if UNROLL:
+            for s in tl.static_range(S_PAD):
+                row_s = (b * NSPLIT + s) * NH + offs_h
+                mhs = mh & (offs_h * 0 + s < NSPLIT)
+                w = tl.exp(tl.load(pm_ptr + row_s, mask=mhs, other=float("-inf")) - big)
+                o = tl.load(po_ptr + row_s.to(tl.int64)[:, None] * D + offs_d[None, :],
+                            mask=mhs[:, None] & md[None, :], other=0.0)
+                acc += o * w[:, None]
+        else:
+            for s in range(0, NSPLIT):
+                row_s = (b * NSPLIT + s) * NH + offs_h
+                w = tl.exp(tl.load(pm_ptr + row_s, mask=mh, other=0.0) - big)
+                o = tl.load(po_ptr + row_s.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mhd, other=0.0)
+                acc += o * w[:, None]
         out = acc / den[:, None]
         if RD:
             out = _unrope(out, tl.program_id(2) * BD, tl.load(pos_ptr + b).to(tl.float32), inv_ptr, D, RD)
@@ -409,9 +424,11 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
         cbd = min(next_pow2(cfg.combine_block_d), d_pad)
         pos, inv = rope if rope is not None else (slot, sink)   # not read without rope
+        s_pad = next_pow2(cfg.split)
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, _contig_last(pos), _contig_last(inv), out, nh, cfg.split, out.stride(0),
-            out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=next_pow2(cfg.split), RD=rd, num_warps=4, **pdl)
+            out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=s_pad, RD=rd, UNROLL=s_pad <= cfg.combine_unroll, num_warps=4,
+            **pdl)
     elif rope is not None:
         from moebox.ops.rope import apply_rope
         out.copy_(apply_rope(out, rope[0], rope[1], inverse=True))
@@ -617,8 +634,10 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
 
 
 def _sweep_name(c: AttendConfig) -> str:
+    combine = (c.combine_heads, c.combine_block_d, c.combine_unroll)
     return (f"h{c.heads}k{c.block_k}w{c.num_warps}s{c.num_stages}" + (f"x{c.waves:g}" if c.waves != 1 else "")
-            + (f"t{c.min_tiles}" if c.min_tiles != 2 else ""))
+            + (f"t{c.min_tiles}" if c.min_tiles != 2 else "")
+            + (f"c{combine[0]}x{combine[1]}u{combine[2]}" if combine != (16, 128, 0) else ""))
 
 
 SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in (
@@ -634,6 +653,11 @@ SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in
     AttendConfig(heads=16, block_k=16, waves=2.0, min_tiles=1), AttendConfig(heads=16, block_k=16, waves=4.0,
                                                                             min_tiles=1),
     AttendConfig(heads=16, block_k=32, num_stages=2, waves=2.0, min_tiles=1),
+    # batch 1's combine (4.1 us a CSA layer: 16 programs, each walking 11 splits one after the other): smaller
+    # tiles (more programs) and the splits' loads issued together
+    AttendConfig(num_stages=2, combine_block_d=32), AttendConfig(num_stages=2, combine_block_d=32, combine_unroll=16),
+    AttendConfig(num_stages=2, combine_heads=8, combine_block_d=64, combine_unroll=16),
+    AttendConfig(num_stages=2, combine_heads=4, combine_block_d=64, combine_unroll=32),
     # batch 8-16 (not yet swept there): longer tiles, fewer loop trips; more warps a program
     AttendConfig(heads=16, block_k=64, num_warps=8, num_stages=2),
     AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2)))
