@@ -12,6 +12,8 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context)
+#   bash bench/gpu_session.sh probes    # the s8 gate-up and PDL-chain probes, the new tilings' GPU tests, the
+#                                       # batch-1 attention sweep (the nineteenth session's open questions)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
 #                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
 #   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
@@ -37,7 +39,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probes|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -80,6 +82,14 @@ topk)
     ;;
 attnsweep)
     step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch 8 16 --kind csa hca --no-torch --sweep
+    ;;
+probes)                       # the nineteenth session's open questions, one call: the s8 gate-up loop, the PDL
+    # chain's own cost, the new tilings' GPU tests, then the batch-1 attention sweep (combine tilings)
+    step w2-s8-probe python3 -m bench.w2_s8_probe --tokens 1 4 8 16
+    step pdl-chain-probe python3 -m bench.pdl_chain_probe
+    step new-tiling-tests python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
+        tests/test_triton_w2.py tests/test_triton_decode_attention.py -k "(sweep_variants and r64) or forced_tilings"
+    step attention-sweep-b1 python3 -m moebox.ops.triton.decode_attention --batch 1 --kind csa hca --no-torch --sweep
     ;;
 index)
     step index-bench python3 -m moebox.ops.triton.index_scores
