@@ -25,21 +25,28 @@ CHUNK = 4096   # bf16 weights a program reads at once (8 KB)
 
 
 @triton.jit
-def _link_kernel(src_ptr, dst_ptr, w_ptr, w_stride, CHUNKS: tl.constexpr, EARLY: tl.constexpr,
+def _weight_sum(w_row, CHUNKS: tl.constexpr, CH: tl.constexpr):
+    """The sum of CHUNKS x CH bf16 weights from w_row, a chunk at a time (0 when CHUNKS is 0)."""
+    offs = tl.arange(0, CH)
+    acc = tl.zeros((CH,), dtype=tl.float32)
+    for c in tl.range(0, CHUNKS):
+        acc += tl.load(w_row + c * CH + offs).to(tl.float32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _link_kernel(src_ptr, dst_ptr, w_ptr, w_stride, CHUNKS: tl.constexpr, CH: tl.constexpr, EARLY: tl.constexpr,
                  PDL: tl.constexpr):
-    """dst[pid] = src[pid] + 1 + the sum of this program's CHUNKS x CHUNK weights (none when CHUNKS is 0), read
-    before the PDL wait when EARLY (they do not depend on the kernel before), after it otherwise."""
+    """dst[pid] = src[pid] + 1 + the sum of this program's CHUNKS x CH weights, read before the PDL wait when
+    EARLY (they do not depend on the kernel before), after it otherwise."""
     pid = tl.program_id(0)
-    offs = tl.arange(0, 4096)
-    acc = tl.zeros((4096,), dtype=tl.float32)
+    w_row = w_ptr + pid.to(tl.int64) * w_stride
     if EARLY:
-        for c in tl.range(0, CHUNKS):
-            acc += tl.load(w_ptr + pid.to(tl.int64) * w_stride + c * 4096 + offs).to(tl.float32)
+        total = _weight_sum(w_row, CHUNKS, CH)
     pdl_start(PDL)
     if not EARLY:
-        for c in tl.range(0, CHUNKS):
-            acc += tl.load(w_ptr + pid.to(tl.int64) * w_stride + c * 4096 + offs).to(tl.float32)
-    tl.store(dst_ptr + pid, tl.load(src_ptr + pid) + 1.0 + tl.sum(acc, axis=0))
+        total = _weight_sum(w_row, CHUNKS, CH)
+    tl.store(dst_ptr + pid, tl.load(src_ptr + pid) + 1.0 + total)
 
 
 def chain_us(programs: int, chunks: int, pdl: bool, early: bool = False) -> float:
@@ -51,8 +58,8 @@ def chain_us(programs: int, chunks: int, pdl: bool, early: bool = False) -> floa
     launch = {"launch_pdl": True} if pdl else {}
 
     def link(i: int) -> None:
-        _link_kernel[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], w[i], w.stride(1), CHUNKS=chunks, EARLY=early,
-                                  PDL=pdl, num_warps=4, **launch)
+        _link_kernel[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], w[i], w.stride(1), CHUNKS=chunks, CH=CHUNK,
+                                  EARLY=early, PDL=pdl, num_warps=4, **launch)
 
     us = graph_us([lambda i=i: link(i) for i in range(CHAIN)], rep=50)
     assert torch.all(bufs[CHAIN % 2] != 0)   # every link ran

@@ -141,11 +141,11 @@ def time_calls(tokens: list[int], split: int, rep: int = 100) -> None:
     w13c, w13s, _, _ = w2_moe.random_planes(E, H, I, device=dev)
     w1c, w3c = (c.view(torch.int32) for c in (w13c[:, :I], w13c[:, I:]))
     w1s, w3s = (s.view(torch.uint8) for s in (w13s[:, :I], w13s[:, I:]))
-    per_call = 2 * (H * I // 4 + H * I // 32)
+    per_expert = 2 * (H * I // 4 + H * I // 32)   # w1 + w3 plane bytes
     cfg = w2_moe.DEFAULT_CONFIG
     print(f"{'N':>3s} {'calls':>5s} {'bf16 us':>8s} {'s8 us':>8s}", flush=True)
     for n in tokens:
-        calls = max(2, -(-(256 << 20) // (n * K * per_call)))
+        calls = max(2, -(-(256 << 20) // (n * K * per_expert)))
         routes = [w2_moe.random_routing(n, E, K, device=dev, seed=1000 * n + i) for i in range(calls)]
         x = torch.randn((n, H), device=dev, dtype=torch.bfloat16)
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))

@@ -263,6 +263,15 @@ if HAVE_TRITON:
         return tl.reshape(tl.join(a * cos + b * sin, b * cos - a * sin), (H, BD))
 
     @triton.jit
+    def _add_split(acc, po_ptr, pm_ptr, rows, offs_d, big, mh, md, D: tl.constexpr):
+        """acc + one split's partial o of the heads at `rows` ([HB] rows of its [.., nh] partials), weighted by
+        exp(m - big); heads masked off (mh: past nh, or a padding split) add 0."""
+        w = tl.exp(tl.load(pm_ptr + rows, mask=mh, other=float("-inf")) - big)
+        o = tl.load(po_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mh[:, None] & md[None, :],
+                    other=0.0)
+        return acc + o * w[:, None]
+
+    @triton.jit
     def _combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, pos_ptr, inv_ptr, out_ptr, NH, NSPLIT, s_ob, s_oh,
                         D: tl.constexpr, HB: tl.constexpr, BD: tl.constexpr, S_PAD: tl.constexpr, RD: tl.constexpr,
                         UNROLL: tl.constexpr, PDL: tl.constexpr):
@@ -285,26 +294,18 @@ if HAVE_TRITON:
         big = tl.maximum(tl.max(pm, axis=0), sink)          # = max_s m_s (each m_s >= sink); finite
         den = tl.sum(pl * tl.exp(pm - big[None, :]), axis=0) + tl.exp(sink - big)
         acc = tl.zeros([HB, BD], dtype=tl.float32)
-        mhd = mh[:, None] & md[None, :]
         if UNROLL:
             for s in tl.static_range(S_PAD):
-                row_s = (b * NSPLIT + s) * NH + offs_h
-                mhs = mh & (offs_h * 0 + s < NSPLIT)
-                w = tl.exp(tl.load(pm_ptr + row_s, mask=mhs, other=float("-inf")) - big)
-                o = tl.load(po_ptr + row_s.to(tl.int64)[:, None] * D + offs_d[None, :],
-                            mask=mhs[:, None] & md[None, :], other=0.0)
-                acc += o * w[:, None]
+                acc = _add_split(acc, po_ptr, pm_ptr, (b * NSPLIT + s) * NH + offs_h, offs_d, big,
+                                 mh & (offs_h * 0 + s < NSPLIT), md, D)
         else:
             for s in range(0, NSPLIT):
-                row_s = (b * NSPLIT + s) * NH + offs_h
-                w = tl.exp(tl.load(pm_ptr + row_s, mask=mh, other=0.0) - big)
-                o = tl.load(po_ptr + row_s.to(tl.int64)[:, None] * D + offs_d[None, :], mask=mhd, other=0.0)
-                acc += o * w[:, None]
+                acc = _add_split(acc, po_ptr, pm_ptr, (b * NSPLIT + s) * NH + offs_h, offs_d, big, mh, md, D)
         out = acc / den[:, None]
         if RD:
             out = _unrope(out, tl.program_id(2) * BD, tl.load(pos_ptr + b).to(tl.float32), inv_ptr, D, RD)
         tl.store(out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mhd)
+                 mask=mh[:, None] & md[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -634,10 +635,12 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
 
 
 def _sweep_name(c: AttendConfig) -> str:
+    d = DEFAULT_CONFIG
     combine = (c.combine_heads, c.combine_block_d, c.combine_unroll)
-    return (f"h{c.heads}k{c.block_k}w{c.num_warps}s{c.num_stages}" + (f"x{c.waves:g}" if c.waves != 1 else "")
-            + (f"t{c.min_tiles}" if c.min_tiles != 2 else "")
-            + (f"c{combine[0]}x{combine[1]}u{combine[2]}" if combine != (16, 128, 0) else ""))
+    return (f"h{c.heads}k{c.block_k}w{c.num_warps}s{c.num_stages}" + (f"x{c.waves:g}" if c.waves != d.waves else "")
+            + (f"t{c.min_tiles}" if c.min_tiles != d.min_tiles else "")
+            + ("c{}x{}u{}".format(*combine) if combine != (d.combine_heads, d.combine_block_d, d.combine_unroll)
+               else ""))
 
 
 SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in (
