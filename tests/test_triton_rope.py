@@ -87,6 +87,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     import json, math, os, sys, torch
     sys.path.insert(0, sys.argv[1])
     import moebox.ops.triton.rope as kernel
+    from moebox.ops.rope import apply_rope
     from tests.test_triton_rope import EPS, case, head_rel, reference
     results = []
     # (N, Hq, Dq, Hi, Di, dtype, weighted, with qi): head dims 16/24 with rope dim 8, head counts not a power of
@@ -119,17 +120,42 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     results.append(dict(case="by hand", same_buffer=True, finite=True, rel=abs(float(q[2, 1, 18]) - want) /
                         math.hypot(a, b), ref_norm=abs(want), tol=1e-5))
 
-    # the tiny model's decode steps with the kernel in place of the torch path (the dispatch takes it on CUDA
-    # only: forced here), other kernels off
+    # the inverse RoPE (an attention output rotated back): q's heads as the input (column slices of a wider
+    # row: any row stride), head counts not a power of two, fp16, and one value by hand
+    for i, (n, h, d, dt) in enumerate([(1, 3, 24, torch.float32), (3, 36, 24, torch.float32),
+                                        (2, 5, 16, torch.float16)]):
+        inp = case(n, h, d, 2, 16, 8, dt, seed=10 + i)
+        got = kernel.inverse_rope_triton(inp["q"], inp["positions"], inp["inv_freq"])
+        ref = apply_rope(inp["q"], inp["positions"], inp["inv_freq"], inverse=True)
+        results.append(dict(case=["inverse", n, h, d, str(dt)], tol=1e-3 if dt == torch.float16 else 1e-6,
+                            same_buffer=got.shape == ref.shape and got.dtype == dt and got.is_contiguous(),
+                            finite=bool(torch.isfinite(got).all()), rel=head_rel(got, ref),
+                            ref_norm=float(ref.norm())))
+    inp = case(3, 3, 24, 2, 16, 8, torch.float32, seed=1)
+    got = kernel.inverse_rope_triton(inp["q"], inp["positions"], inp["inv_freq"])
+    a, b = inp["q"][2, 1, 18].item(), inp["q"][2, 1, 19].item()
+    angle = float(inp["positions"][2].float() * inp["inv_freq"][1])
+    want = a * math.cos(angle) + b * math.sin(angle)              # the conjugate rotation of the pair
+    results.append(dict(case="inverse by hand", same_buffer=True, finite=True, tol=1e-5, ref_norm=abs(want),
+                        rel=abs(float(got[2, 1, 18]) - want) / math.hypot(a, b)))
+    unchanged = bool(torch.equal(got[..., :-8], inp["q"][..., :-8]))
+    results.append(dict(case="inverse: channels before the rope ones copied", same_buffer=unchanged,
+                        finite=True, rel=0.0, ref_norm=1.0, tol=1e-5))
+
+    # the tiny model's decode steps with the kernels in place of the torch path (the dispatch takes them on CUDA
+    # only: forced here), other kernels off (the attention kernel too: its torch path rotates its output back
+    # with `inverse_rope`)
     from tests.interpreter import count_calls, switch_result, tiny_model
     import moebox.ops.rope as rope
     calls = count_calls(kernel, "query_rope_triton")
-    rope._kernel_takes = lambda q, qi: os.environ["MOEBOX_ROPE_KERNEL"] != "0"
+    inverse_calls = count_calls(kernel, "inverse_rope_triton")
+    rope._kernel_takes = lambda q, qi=None: os.environ["MOEBOX_ROPE_KERNEL"] != "0"
     for switch in ("ATTENTION", "COMPRESS", "PREFILL_ATTENTION", "TOPK", "INDEX", "ROUTE", "W2_PREFILL"):
         os.environ[f"MOEBOX_{switch}_KERNEL"] = "0"
     cfg, model = tiny_model()
     results.append(switch_result(model, cfg, "MOEBOX_ROPE_KERNEL", 4))
     assert len(calls) == 5 * cfg.num_layers, (len(calls), cfg.num_layers)   # the prefill and 4 steps
+    assert len(inverse_calls) == 5 * cfg.num_layers, (len(inverse_calls), cfg.num_layers)
     print("RESULT " + json.dumps(results))
 """)
 
@@ -166,6 +192,30 @@ def test_gpu_matches_reference(n: int, dtype: torch.dtype) -> None:
                 assert err.max() <= 2 and (err == 0).float().mean() > 0.99, (err.max(), (err == 0).float().mean())
             else:
                 assert head_rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_inverse_matches_reference(n: int, dtype: torch.dtype) -> None:
+    """The attention output's inverse RoPE at the V4-Flash shape (64 heads of 512, a column slice of wider rows)
+    against apply_rope(inverse) on the CPU: bf16 within an ulp of the rotation, fp32 within ~8 ulp a head; the
+    dispatch (`inverse_rope`) takes the kernel there."""
+    from moebox.ops.triton.rope import inverse_rope_triton
+    inp = case(n, V4["hq"], V4["dq"], 1, 64, V4["rd"], dtype, "cuda", seed=20 + n)
+    x, pos, inv = inp["q"], inp["positions"], inp["inv_freq"]
+    poison_allocator()
+    got = inverse_rope_triton(x, pos, inv)
+    torch.cuda.synchronize()
+    ref = apply_rope(x.cpu(), pos.cpu(), inv.cpu(), inverse=True)
+    assert got.dtype == dtype and got.shape == ref.shape and torch.isfinite(got).all()
+    if dtype == torch.bfloat16:
+        err = ulps(got.cpu(), ref, V4["rd"])
+        assert err.max() <= 1 and (err == 0).float().mean() > 0.99, (err.max(), (err == 0).float().mean())
+    else:
+        assert head_rel(got.cpu(), ref) < 1e-6
+    assert rope._kernel_takes(x) and torch.equal(rope.inverse_rope(x, pos, inv), got)
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from moebox.ops.attention import local_sink_attention, sink_attention, tf32_prod
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.qat import round_index_vectors, round_kv_nope
-from moebox.ops.rope import apply_rope, norm_rope, query_rope, rope_inv_freq
+from moebox.ops.rope import inverse_rope, norm_rope, query_rope, rope_inv_freq
 from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
@@ -181,7 +181,7 @@ class Attention:
                 out = torch.empty_like(q)
                 for seg in batch.segments:
                     out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
-            out = apply_rope(out, pos, self.inv_freq, inverse=True)
+            out = inverse_rope(out, pos, self.inv_freq)
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
 
@@ -342,8 +342,8 @@ class Attention:
                                  (pos, self.inv_freq))
         if entries is not None and rows is None:                  # HCA: every entry row
             rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
-        return apply_rope(attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid), pos,
-                          self.inv_freq, inverse=True)
+        return inverse_rope(attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid), pos,
+                            self.inv_freq)
 
     def _compress(self, c: Compressor, proj: tuple[torch.Tensor, torch.Tensor], batch: DecodeBatch, ring_kv,
                   ring_gate, entries, finish: str | None) -> torch.Tensor:

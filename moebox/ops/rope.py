@@ -3,10 +3,10 @@
 RoPE covers the *trailing* `rope_dim` channels of a vector; channels (2i, 2i+1) form one complex pair.
 Sliding layers use plain RoPE (theta 1e4); compressed layers use theta 1.6e5 with YaRN and no mscale.
 
-`query_rope` (an attention layer's queries: q normed then rotated, the indexer's qi rotated) dispatches: CUDA
-decode-size inputs (up to 16 tokens; outside autograd and torch.compile tracing) take the one-launch Triton
-kernel (moebox/ops/triton/rope.py; `MOEBOX_ROPE_KERNEL=0` turns it off), everything else `norm_rope` and
-`apply_rope`.
+`query_rope` (an attention layer's queries: q normed then rotated, the indexer's qi rotated) and `inverse_rope`
+(its output rotated back) dispatch: CUDA decode-size inputs (up to 16 tokens; outside autograd and
+torch.compile tracing) take the one-launch Triton kernels (moebox/ops/triton/rope.py; `MOEBOX_ROPE_KERNEL=0`
+turns them off), everything else `norm_rope` and `apply_rope`.
 """
 
 from __future__ import annotations
@@ -66,9 +66,18 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, position
     return apply_rope(rms_norm(x, weight, eps), positions, inv_freq)
 
 
-def _kernel_takes(q: torch.Tensor, qi: torch.Tensor | None) -> bool:
+def _kernel_takes(q: torch.Tensor, qi: torch.Tensor | None = None) -> bool:
     from moebox.ops.triton.runtime import decode_kernel_takes
     return decode_kernel_takes(q, "MOEBOX_ROPE_KERNEL", KERNEL_MAX_ROWS * q.shape[-2], qi)   # q [N, H, D]
+
+
+def inverse_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """apply_rope(x, positions, inv_freq, inverse=True) for x [N, H, D] (an attention output), one Triton launch
+    at decode sizes on CUDA (where inductor's kernel would not wait for its input with PDL)."""
+    if _kernel_takes(x):
+        from moebox.ops.triton.rope import inverse_rope_triton
+        return inverse_rope_triton(x, positions, inv_freq)
+    return apply_rope(x, positions, inv_freq, inverse=True)
 
 
 def query_rope(q: torch.Tensor, qi: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,

@@ -122,6 +122,12 @@ DECODE_CONFIG = replace(DEFAULT_CONFIG, num_stages=2)
 # batch 5-8: twice the programs, splits down to one tile (the fourteenth session's sweep at batch 8: CSA 23.9 ->
 # 19.9 us, HCA 20.9 -> 17.7; at batch 16 it lost on CSA, 30.3 -> 33.7)
 DECODE_CONFIG_8 = replace(DECODE_CONFIG, waves=2.0, min_tiles=1)
+# batch 1: 8 warps a program; the combine's 11 splits loaded at once by 4-head x 64-column programs (the
+# nineteenth/twentieth sessions' batch-1 sweep)
+DECODE_CONFIG_1 = replace(DECODE_CONFIG, num_warps=8, combine_heads=4, combine_block_d=64, combine_unroll=32)
+# the inverse RoPE in the combine saves a launch, but at batch 1 it cost 0.32 ms a V4-Flash step on the H200
+# (5.54 -> 5.86; not understood), while batch 4 / 8 / 16 gained 0.03 / 0.16 / 0.24 ms (twentieth session)
+ROPE_IN_COMBINE_BATCH = 4
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -146,8 +152,10 @@ def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int 
 
 
 def default_config(batch: int) -> AttendConfig:
-    """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16 (`DECODE_CONFIG_8` from 5
-    to 8), else `DEFAULT_CONFIG`."""
+    """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16 (`DECODE_CONFIG_1` at 1,
+    `DECODE_CONFIG_8` from 5 to 8), else `DEFAULT_CONFIG`."""
+    if batch == 1:
+        return DECODE_CONFIG_1
     if 4 < batch <= 8:
         return DECODE_CONFIG_8
     return DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
@@ -366,7 +374,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     -> [B, nh, d] in q's dtype (into `out` when given: contiguous on the last dim). `rope` = (positions [B],
     inv_freq [rd / 2] fp32, on q's device): the output's trailing rd columns rotated back as
     `apply_rope(out, positions, inv_freq, inverse=True)` does, in the combine kernel's store (with one split:
-    by apply_rope after). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1; raises ValueError where
+    by `inverse_rope` after). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1; raises ValueError where
     `supported` is False."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
@@ -431,8 +439,8 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
             out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=s_pad, RD=rd, UNROLL=s_pad <= cfg.combine_unroll, num_warps=4,
             **pdl)
     elif rope is not None:
-        from moebox.ops.rope import apply_rope
-        out.copy_(apply_rope(out, rope[0], rope[1], inverse=True))
+        from moebox.ops.rope import inverse_rope
+        out.copy_(inverse_rope(out, rope[0], rope[1]))
     return out
 
 
@@ -455,17 +463,19 @@ def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: tor
                   valid: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                   ) -> torch.Tensor:
     """The dispatch the model uses: `attend_triton` where `supported` (and where it builds), else
-    `attend_reference`; with `rope` the output rotated back (`apply_rope(..., inverse=True)`), inside the
-    kernel's combine with MOEBOX_ATTENTION_ROPE=1 (experimental, off), else after it."""
+    `attend_reference`; with `rope` the output rotated back (`apply_rope(..., inverse=True)`): inside the
+    kernel's combine from `ROPE_IN_COMBINE_BATCH` sequences (MOEBOX_ATTENTION_ROPE=0 / 1: never / always),
+    else after it."""
     def unrope(out: torch.Tensor) -> torch.Tensor:
-        from moebox.ops.rope import apply_rope
-        return out if rope is None else apply_rope(out, rope[0], rope[1], inverse=True)
+        from moebox.ops.rope import inverse_rope
+        return out if rope is None else inverse_rope(out, rope[0], rope[1])
 
     def torch_path() -> torch.Tensor:
         return unrope(attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
 
     def kernel() -> torch.Tensor:
-        if rope is not None and kernel_switched_on(q, "MOEBOX_ATTENTION_ROPE", default=False):
+        if rope is not None and kernel_switched_on(q, "MOEBOX_ATTENTION_ROPE",
+                                                   default=q.shape[0] >= ROPE_IN_COMBINE_BATCH):
             return attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid, rope=rope)
         return unrope(attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
     if supported(q, ring, slot, window_visible, sink, entries, rows, valid):

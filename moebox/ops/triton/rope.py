@@ -1,5 +1,6 @@
 """The query path of an attention layer after the `from_qr` product in one Triton launch: per head RMSNorm then
-RoPE of the q heads, RoPE alone of the indexer's qi heads (CSA layers).
+RoPE of the q heads, RoPE alone of the indexer's qi heads (CSA layers); and the attention output's inverse RoPE
+(`inverse_rope_triton`) at decode batches whose attention kernel does not apply it in its combine.
 
 Why: at batch 1 a decode step is bound by its chain of dependent launches (~2 us each on the H200). The torch
 path costs three inductor kernels a CSA layer (`norm_rope(q)`: a reduction then a pointwise; `apply_rope(qi)`:
@@ -44,8 +45,10 @@ if HAVE_TRITON:
     @triton.jit
     def _rope_heads(x_ptr, y_ptr, w_ptr, inv_ptr, n, pos, hb, H, stride_n, stride_h, eps, D: tl.constexpr,
                     D_PAD: tl.constexpr, RD: tl.constexpr, RD_PAD: tl.constexpr, BH: tl.constexpr,
-                    NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, PRECISE: tl.constexpr):
-        """Heads hb*BH.. of token n: (NORM: RMSNorm, rounded, then) RoPE of the last RD channels, into y [N, H, D]."""
+                    NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, PRECISE: tl.constexpr,
+                    INVERSE: tl.constexpr = False):
+        """Heads hb*BH.. of token n: (NORM: RMSNorm, rounded, then) RoPE of the last RD channels (INVERSE: the
+        conjugate rotation), into y [N, H, D]."""
         heads = hb * BH + tl.arange(0, BH)
         hm = (heads < H)[:, None]
         src = x_ptr + n * stride_n + heads[:, None] * stride_h
@@ -67,7 +70,7 @@ if HAVE_TRITON:
             xp = _normed(xp, rstd, w_ptr + pc, rm, HAS_WEIGHT)
         f = pos * tl.load(inv_ptr + r // 2, mask=r < RD, other=0.0)
         cos, sin = device_cos(f, PRECISE), device_sin(f, PRECISE)
-        sin = tl.where(r % 2 == 0, -sin, sin)
+        sin = tl.where((r % 2 == 0) != INVERSE, -sin, sin)
         rot = xr.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]
         tl.store(dst + cols, x, mask=m & (cols < D - RD))
         tl.store(dst + rc, rot.to(y_ptr.dtype.element_ty), mask=rm)
@@ -91,6 +94,16 @@ if HAVE_TRITON:
                             RD_PAD, BHI, False, False, PRECISE)
 
 
+    @triton.jit
+    def _inverse_rope_kernel(x_ptr, y_ptr, pos_ptr, inv_ptr, H, s_n, s_h, D: tl.constexpr, D_PAD: tl.constexpr,
+                             BH: tl.constexpr, RD: tl.constexpr, RD_PAD: tl.constexpr, PRECISE: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_start(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        _rope_heads(x_ptr, y_ptr, x_ptr, inv_ptr, n, tl.load(pos_ptr + n).to(tl.float32), tl.program_id(1), H,
+                    s_n, s_h, 0.0, D, D_PAD, RD, RD_PAD, BH, False, False, PRECISE, True)
+
+
 def _heads(t: torch.Tensor, rd: int, name: str) -> torch.Tensor:
     """t [N, H, D] with unit column stride (copied otherwise), checked against the rope width."""
     if t.dim() != 3 or t.shape[-1] < rd:
@@ -104,6 +117,12 @@ def _block(h: int, d: int) -> tuple[int, int]:
     return d_pad, min(next_pow2(h), max(1, TILE // d_pad))
 
 
+def _positions(positions: torch.Tensor, n: int) -> torch.Tensor:
+    if positions.shape != (n,):
+        raise ValueError(f"positions must be [{n}], got {tuple(positions.shape)}")
+    return positions.contiguous()
+
+
 def query_rope_triton(q: torch.Tensor, qi: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
                       eps: float, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rope(rms_norm(q, weight, eps)), rope(qi)) as `norm_rope` / `apply_rope` compute them, new contiguous
@@ -115,8 +134,7 @@ def query_rope_triton(q: torch.Tensor, qi: torch.Tensor | None, positions: torch
     n, hq, dq = q.shape
     if weight is not None and tuple(weight.shape) != (dq,):
         raise ValueError(f"weight must be [{dq}], got {tuple(weight.shape)}")
-    if positions.shape != (n,):
-        raise ValueError(f"positions must be [{n}], got {tuple(positions.shape)}")
+    positions = _positions(positions, n)
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     qio = None
     if qi is not None:
@@ -134,8 +152,31 @@ def query_rope_triton(q: torch.Tensor, qi: torch.Tensor | None, positions: torch
     ii = qi if qi is not None else q     # stands in for the absent qi (never read)
     fusion = {} if interpreting() else {"enable_fp_fusion": False}
     _query_rope_kernel[(n, nqb + cdiv(hi, bhi))](
-        q, qo, q if weight is None else weight, ii, qio if qio is not None else qo, positions.contiguous(),
+        q, qo, q if weight is None else weight, ii, qio if qio is not None else qo, positions,
         inv_freq, hq, hi, nqb, q.stride(0), q.stride(1), ii.stride(0), ii.stride(1), eps, DQ=dq, DQ_PAD=dq_pad,
         BHQ=bhq, DI=di, DI_PAD=di_pad, BHI=bhi, RD=rd, RD_PAD=next_pow2(rd), HAS_WEIGHT=weight is not None,
         HAS_QI=qi is not None, PRECISE=q.is_cuda, num_warps=4, **fusion, **pdl_args(q))
     return qo, qio
+
+
+def inverse_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """apply_rope(x, positions, inv_freq, inverse=True) for x [N, H, D] (fp32/bf16/fp16, unit column stride) as a
+    new contiguous tensor, in one launch that waits for its input with PDL (the attention output's rotation
+    back at batch 1-3, where torch's kernel would break the step's chain of early launches). Runs on CUDA, or
+    on CPU tensors under TRITON_INTERPRET=1."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    rd = 2 * inv_freq.numel()
+    x = _heads(x, rd, "x")
+    n, h, d = x.shape
+    positions = _positions(positions, n)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    d_pad, bh = _block(h, d)
+    fusion = {} if interpreting() else {"enable_fp_fusion": False}
+    _inverse_rope_kernel[(n, cdiv(h, bh))](
+        x, y, positions, inv_freq.to(device=x.device, dtype=torch.float32).contiguous(), h, x.stride(0),
+        x.stride(1), D=d, D_PAD=d_pad, BH=bh, RD=rd, RD_PAD=next_pow2(rd), PRECISE=x.is_cuda, num_warps=4,
+        **fusion, **pdl_args(x))
+    return y
