@@ -12,8 +12,8 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context)
-#   bash bench/gpu_session.sh probes    # the s8 gate-up and PDL-chain probes, the new tilings' GPU tests, the
-#                                       # batch-1 attention sweep (the nineteenth session's open questions)
+#   bash bench/gpu_session.sh probes    # why the inverse RoPE in the attention's combine loses at batch 1: its
+#                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
 #                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
 #   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
@@ -83,13 +83,16 @@ topk)
 attnsweep)
     step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch 8 16 --kind csa hca --no-torch --sweep
     ;;
-probes)                       # the nineteenth session's open questions, one call: the s8 gate-up loop, the PDL
-    # chain's own cost, the new tilings' GPU tests, then the batch-1 attention sweep (combine tilings)
-    step w2-s8-probe python3 -m bench.w2_s8_probe --tokens 1 4 8 16
-    step pdl-chain-probe python3 -m bench.pdl_chain_probe
-    step new-tiling-tests python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
-        tests/test_triton_w2.py tests/test_triton_decode_attention.py -k "(sweep_variants and r64) or forced_tilings"
-    step attention-sweep-b1 python3 -m moebox.ops.triton.decode_attention --batch 1 --kind csa hca --no-torch --sweep
+probes)                       # the twentieth session's open question, one call: why the inverse RoPE in the
+    # attention's combine (MOEBOX_ATTENTION_ROPE=1) loses 0.32 ms at batch 1 while its kernels gain ~2 us a layer
+    step rope-combine-probe python3 -m bench.rope_combine_probe
+    for rope in 0 1; do
+        for pdl in 0 1; do
+            step "timeline-rope$rope-pdl$pdl" env MOEBOX_ATTENTION_ROPE=$rope MOEBOX_PDL=$pdl python3 -m \
+                moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown \
+                --timeline "$out/timeline-rope$rope-pdl$pdl.tsv"
+        done
+    done
     ;;
 index)
     step index-bench python3 -m moebox.ops.triton.index_scores

@@ -52,3 +52,22 @@ def test_branch_is_off_on_the_cpu_and_when_disabled():
     branch.join()
     assert not branch.on
     assert not Branch(t.cuda(), "test", enabled=False).on
+
+
+def test_side_streams_outrank_the_main_stream_when_asked(monkeypatch):
+    """MOEBOX_SIDE_PRIORITY=1: a branch's kernels go ahead of the main stream's queued programs (see
+    moebox/ops/streams.py): its side stream has a higher priority (a lower number) than the default stream and
+    a graph capture's."""
+    from moebox.ops import streams
+    assert streams.side_priority() == 0                     # off by default
+    monkeypatch.setenv("MOEBOX_SIDE_PRIORITY", "1")
+    a = torch.ones(4, device="cuda")
+    with Branch(a, "test", purpose="test-priority") as branch:
+        side = torch.cuda.current_stream().priority
+    branch.join()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        capturing = torch.cuda.current_stream().priority
+        b = a * 2
+    assert side < torch.cuda.current_stream().priority and side < capturing
+    del b

@@ -8,6 +8,17 @@ two streams the small kernels of one run in the gaps of the other, and a CUDA gr
 branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain); `MOEBOX_OVERLAP=moe` (or
 `attention`, `mhc`, `pack`, or a comma list) only the branches of those names.
 
+With `MOEBOX_SIDE_PRIORITY=1` (experimental, off) side streams have a higher priority than the main stream,
+and a CUDA graph keeps it: stream capture copies a stream's priority into its kernel nodes, and torch instantiates graphs
+with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth session's
+timeline, H200, PDL on) attention's key branch started its first product 13 us after the fork, as the main
+stream's wq_b product (20 us) began its last programs, and the main stream then waited for the branch 12 us a
+CSA layer and 8 us in the others (~0.43 ms a step); the shared expert's last product also started as the
+routed experts' down kernel ended, after it. The block scheduler seems to hand free SM slots to the
+earlier-launched kernel's queued programs first; with priority a branch's programs should get them. Not yet
+measured: `AB="MOEBOX_SIDE_PRIORITY=0 MOEBOX_SIDE_PRIORITY=1" AB_BATCH="1 8 16" bash bench/gpu_session.sh ab`.
+The switch is read when a side stream is first made (once a process).
+
 The tensors the branch reads from the main stream are passed as `reads`: the branch holds them until `join`.
 The caching allocator hands a freed block to the next allocation on the stream that allocated it, so a tensor
 that the caller drops (rebinding its name, say) while the branch still reads it would be overwritten by the
@@ -32,10 +43,16 @@ def _switched_on(t: torch.Tensor, name: str) -> bool:
     return t.is_cuda and (value == "1" or name in value.split(","))
 
 
+def side_priority() -> int:
+    """The priority side streams get: the default 0, as the main stream's, or -1 (lower numbers come first) with
+    MOEBOX_SIDE_PRIORITY=1."""
+    return -1 if os.environ.get("MOEBOX_SIDE_PRIORITY", "0") == "1" else 0
+
+
 def _side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if (index, purpose) not in _side_streams:
-        _side_streams[index, purpose] = torch.cuda.Stream(index)
+        _side_streams[index, purpose] = torch.cuda.Stream(index, priority=side_priority())
     return _side_streams[index, purpose]
 
 

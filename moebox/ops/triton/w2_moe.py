@@ -68,9 +68,8 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   down split 16 (`default_config`). Loading x/h with the codes, two steps ahead (instead of from L2 in the
   step) cost 36 / 84 more registers and lost 4-30% in the eighth session's sweep (docs/benchmarks.md).
   Tried and dropped (sixteenth session): register caps (maxnreg 96-104 for gate-up, 64 for down: 16-24 bytes
-  of spills) lost at N = 1-16 (the records do not say at which down split; at split 16, one token's default
-  since, 64 registers spill 8 bytes and let two programs share an SM: `down_maxnreg`, in the sweep, not yet
-  timed); the right shifts as IMAD.HI (multiply-high by 2^(32-s), to move them off the
+  of spills) lost at N = 1-16; at down split 16 (one token's default since) a cap of 64 (8 bytes spilled, two
+  programs an SM, one wave) tied (twentieth session: 26.7 against 26.6 us a call); the right shifts as IMAD.HI (multiply-high by 2^(32-s), to move them off the
   integer ALU pipe that the PRMT/LOP3/SHF mix saturates at N >= 4) lost 7-13%: IMAD.HI is slower than its
   issue count suggests; Triton's pipeliner instead of the register prefetch (`tl.range(num_stages=2-3)`: the
   code/scale tiles and down's h fragments through shared memory with cp.async, 12-126 KB a program) lost 1.3-2.5x
@@ -107,9 +106,10 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   (64 FFMA, 64 FADD, 32 FMUL, 32 scale IMADs an iteration). If the loop is bound by its total issue (the e4m3
   form's 16-26% loss matched its 1.98 / 1.71), s8 would lose ~18%; if by the integer pipe (the bf16 loop issues
   ~0.5 a cycle a scheduler, 70% of it PRMT/SHF/LOP3; 2 cycles each), up to ~1.2x (622 pipe cycles a loop
-  iteration against s8's 514 instructions at one a cycle). Timing settles it
-  without the relayout: `python -m bench.w2_s8_probe` runs both loops on the same planes (not yet run on a GPU).
-  Also open: for verify steps whose tokens share experts,
+  iteration against s8's 514 instructions at one a cycle). Timed without the relayout (twentieth session, both
+  loops on the same planes; the probe is in commit 15fb357's bench/w2_s8_probe.py): s8 18.2 against 17.1 us at
+  N = 1, 2-4% faster at N = 4-16 (53.2 / 99.1 / 185.5 against 55.5 / 102.0 / 189.8 us), too little for a
+  layout every GPU reader of the planes would have to follow: not built. Also open: for verify steps whose tokens share experts,
   grouping the (token, expert) pairs by expert (the mma has 8 columns: up to 8/T tokens of one expert per unpack;
   random routing at N = 8 has ~44 distinct experts in 48 pairs, so the bench would not show it).
 
@@ -153,9 +153,7 @@ from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, graph_us, interp
 class DecodeConfig:
     """Kernel variant and blocks (see the module doc). "mma": gate_split / down_split warps per program, each
     taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch:
-    how many K steps ahead the code/scale loads run (1 or 2); down_maxnreg: a register cap for the down kernel
-    (0: none; at split 16 its 68 registers allow one program an SM, so one token's 256 programs take two
-    waves, and 64 would fit two). "fma": ROWS output rows x WORDS code words per program and step, num_warps,
+    how many K steps ahead the code/scale loads run (1 or 2). "fma": ROWS output rows x WORDS code words per program and step, num_warps,
     num_stages, transpose_x. Shapes the mma kernels do not take run "fma"."""
 
     gate_rows: int = 16
@@ -170,15 +168,12 @@ class DecodeConfig:
     gate_split: int = 2
     down_split: int = 8
     prefetch: int = 1
-    down_maxnreg: int = 0
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
         if self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or any(v < 1 or v & (v - 1)
                                                                                      for v in pow2):
             raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, blocks powers of two")
-        if self.down_maxnreg and not 24 <= self.down_maxnreg <= 255:
-            raise ValueError(f"bad decode config {self}: down_maxnreg is 0 (no cap) or 24..255 registers")
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -638,11 +633,10 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         USE_ASM=use_asm,
         num_warps=gate_split, num_stages=1, **pdl)
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
-    cap = {"maxnreg": cfg.down_maxnreg} if cfg.down_maxnreg and use_asm else {}   # the interpreter takes none
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
-        num_warps=down_split, num_stages=1, **pdl, **cap)
+        num_warps=down_split, num_stages=1, **pdl)
 
 
 def _empty_packed(x: torch.Tensor) -> torch.Tensor:
@@ -894,7 +888,6 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
      for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
-    + [("mma g2 d16 p1 r64", DecodeConfig(down_split=16, down_maxnreg=64))]   # one wave at one token (8 B spilled)
     + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
