@@ -166,6 +166,83 @@ def test_kernel_in_triton_interpreter() -> None:
     check_in_interpreter(_INTERPRETER_CHECK, default_tol=1e-5)
 
 
+def keys_case(b: int, d: int, r: int, rd: int, dtype: torch.dtype, ring_dtype: torch.dtype, device: str = "cpu",
+              seed: int = 0) -> dict:
+    """Arguments of `store_keys_triton` as a decode step has them: kv [b, d] a column slice of wider product
+    rows, magnitudes over 10^-2..10^2 by token, positions below and past the ring length r (never-written rows,
+    wrapped rings), sequence b in slot 2b + 1 of 2b + 2, a window shorter than the ring; the ring filled with
+    random rows (what the step must not touch)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(b, d + 24, generator=g) * torch.logspace(-2, 2, b)[:, None]
+    positions = torch.randint(0, 3 * r, (b,), generator=g)
+    positions[0] = 1                                       # rows never written yet
+    return dict(kv=rows[:, 24:].to(device=device, dtype=dtype), weight=(torch.rand(d, generator=g) + 0.5).to(device),
+                eps=EPS, positions=positions.to(device), inv_freq=rope_inv_freq(rd, 1e4, None).to(device),
+                slots=(2 * torch.arange(b) + 1).to(device),
+                ring=torch.randn(2 * b + 2, r, d, generator=g).to(device=device, dtype=ring_dtype), window=r - 2)
+
+
+def keys_reference(inp: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path on a copy of the ring: (the ring after the step, the visible rows)."""
+    from moebox.model.decode_attention import window_mask
+    ring = inp["ring"].clone()
+    kv = norm_rope(inp["kv"], inp["weight"], inp["eps"], inp["positions"], inp["inv_freq"])
+    return ring, window_mask(kv, inp["positions"], inp["slots"], ring, inp["window"])
+
+
+_KEYS_CHECK = textwrap.dedent("""
+    import json, os, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import moebox.ops.triton.rope as kernel
+    from tests.test_triton_rope import keys_case, keys_reference
+    results = []
+    # (B, D, R, rope dim, kv dtype, ring dtype): D not a power of two, fp16 rows into an fp32 ring and back
+    for i, (b, d, r, rd, dt, rt) in enumerate([(1, 32, 8, 8, torch.float32, torch.float32),
+                                                (3, 24, 10, 8, torch.float32, torch.float16),
+                                                (4, 48, 16, 16, torch.float16, torch.float32)]):
+        inp = keys_case(b, d, r, rd, dt, rt, seed=i)
+        ref_ring, ref_vis = keys_reference(inp)
+        vis = kernel.store_keys_triton(**inp)
+        ring = inp["ring"]
+        new = ring[inp["slots"], inp["positions"] % r]
+        untouched = torch.ones(ring.shape[:2], dtype=torch.bool)
+        untouched[inp["slots"], inp["positions"] % r] = False
+        results.append(dict(case=["keys", b, d, r, rd, str(dt), str(rt)],
+                            same_buffer=bool(torch.equal(vis, ref_vis)) and bool(torch.equal(ring[untouched],
+                                                                                             ref_ring[untouched])),
+                            finite=bool(torch.isfinite(new).all()), ref_norm=float(ref_ring.norm()),
+                            rel=float((ring.double() - ref_ring.double()).norm() / ref_ring.double().norm()),
+                            tol=1e-3 if torch.float16 in (dt, rt) else 1e-6))
+
+    # the tiny model's decode steps with the key store kernel against the torch path (the attention kernel on:
+    # the model stores keys this way only there), other kernels off
+    from tests.interpreter import count_calls, switch_result, tiny_model
+    calls = count_calls(kernel, "store_keys_triton")
+    for switch in ("COMPRESS", "PREFILL_ATTENTION", "TOPK", "INDEX", "ROUTE", "W2_PREFILL", "ROPE"):
+        os.environ[f"MOEBOX_{switch}_KERNEL"] = "0"
+    cfg, model = tiny_model()
+    results.append(switch_result(model, cfg, "MOEBOX_KEYS_KERNEL", 3))
+    assert len(calls) == 3 * cfg.num_layers, (len(calls), cfg.num_layers)   # each decode step's layers
+    print("RESULT " + json.dumps(results))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_key_store_kernel_in_triton_interpreter() -> None:
+    check_in_interpreter(_KEYS_CHECK, default_tol=1e-5)
+
+
+def test_key_store_is_off_by_default_and_off_cuda() -> None:
+    """`store_keys` takes the torch path unless MOEBOX_KEYS_KERNEL=1 (and CUDA or the interpreter)."""
+    from moebox.model.decode_attention import store_keys
+    inp = keys_case(2, 24, 8, 8, torch.float32, torch.float32)
+    ref_ring, ref_vis = keys_reference(inp)
+    vis = store_keys(inp["kv"], inp["weight"], EPS, inp["positions"], inp["inv_freq"], inp["slots"], inp["ring"],
+                     inp["window"])
+    assert torch.equal(vis, ref_vis) and torch.equal(inp["ring"], ref_ring)
+
+
 V4 = dict(hq=64, dq=512, hi=64, di=128, rd=64)   # V4-Flash: q heads, index heads, rope width
 
 
@@ -250,3 +327,31 @@ def test_gpu_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.cuda.synchronize()
     want = query_rope_triton(*static, inv, EPS)
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+@pytest.mark.parametrize("n", [1, 5, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_key_store_matches_reference(n: int) -> None:
+    """The key store at the V4-Flash shape (512-wide bf16 rows of a wider product, a 130-row bf16 ring, window
+    128) against the torch path on the CPU: the visible rows exactly, the new rows within an ulp of the
+    rotation (bit for bit but where cos/sin's last bit moves a value across a rounding midpoint), every other
+    ring row untouched; the dispatch takes it with MOEBOX_KEYS_KERNEL=1 only."""
+    from moebox.model.decode_attention import store_keys
+    from moebox.ops.triton.rope import store_keys_triton
+    inp = keys_case(n, 512, 130, 64, torch.bfloat16, torch.bfloat16, "cuda", seed=30 + n)
+    ref_ring, ref_vis = keys_reference({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inp.items()})
+    vis = store_keys_triton(**inp)
+    torch.cuda.synchronize()
+    assert torch.equal(vis.cpu(), ref_vis)
+    ring = inp["ring"].cpu()
+    rows = inp["slots"].cpu(), inp["positions"].cpu() % 130
+    err = ulps(ring[rows], ref_ring[rows], 64)
+    assert err.max() <= 1 and (err == 0).float().mean() > 0.99, (err.max(), (err == 0).float().mean())
+    untouched = torch.ones(ring.shape[:2], dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(ring[untouched], ref_ring[untouched])
+    args = (inp["kv"], inp["weight"], EPS, inp["positions"], inp["inv_freq"], inp["slots"], inp["ring"], 128)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOEBOX_KEYS_KERNEL", "1")
+        assert torch.equal(store_keys(*args), vis)

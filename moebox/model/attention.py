@@ -18,7 +18,8 @@ import torch
 from moebox.config import CSA, SLIDING, ModelConfig
 from moebox.model.batch import DecodeBatch, FlatBatch, Segment
 from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
-from moebox.model.decode_attention import attend, compress_step, index_select, window_mask, window_step
+from moebox.model.decode_attention import (attend, compress_step, index_select, store_keys, window_mask,
+                                           window_step)
 from moebox.ops.attention import local_sink_attention, sink_attention, tf32_products
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
@@ -156,12 +157,11 @@ class Attention:
             rest = self.pool_from_x(x) if self.pool_from_x is not None else []
             comp = (rest[0], rest[1]) if self.compressor else None
             icomp = (rest[3], rest[4]) if self.indexer else None
-            kv = norm_rope(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq)
-            if self.qat:
-                kv = round_kv_nope(kv, cfg.nope_head_dim)
             if decode:
                 assert cache is not None, "a DecodeBatch needs a KVCache"
-                stored = self._store_decode(batch, kv, comp, icomp, cache)
+                stored = self._store_decode(batch, kv, comp, icomp, cache)     # norms and rotates kv itself
+            else:
+                kv = self._keys(kv, pos)
         q, *index_q = self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))
         qi = index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim) if self.indexer is not None else None
         q, qi = query_rope(q.view(n, cfg.num_heads, cfg.head_dim), qi, pos, self.inv_freq, cfg.rms_norm_eps)
@@ -184,6 +184,11 @@ class Attention:
             out = inverse_rope(out, pos, self.inv_freq)
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
+
+    def _keys(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The K=V rows of kv's product: normed and rotated (and QAT-rounded)."""
+        kv = norm_rope(kv, self.kv_norm, self.cfg.rms_norm_eps, pos, self.inv_freq)
+        return round_kv_nope(kv, self.cfg.nope_head_dim) if self.qat else kv
 
     # ------------------------------------------------------------------ B cache-free rows of T tokens (training)
     def _fresh(self, t: int, q: torch.Tensor, kv: torch.Tensor, comp, idx) -> torch.Tensor:
@@ -307,10 +312,10 @@ class Attention:
     # ------------------------------------------------------------------ shape-static decode (DecodeBatch)
     def _store_decode(self, batch: DecodeBatch, kv: torch.Tensor, comp, icomp,
                       cache: LayerCache) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """The key half of a decode step: store each sequence's K=V row in its window ring and, in compressed
-        layers, pool and store the compressors' entries -> what `_attend_decode` reads: (the ring's keys read
-        out [B, R, d], None when the attention kernel reads the ring itself; which ring rows are inside the
-        window [B, R]; which entries are visible [B, E] or None)."""
+        """The key half of a decode step: store each sequence's K=V row (kv's product row, normed and rotated
+        here) in its window ring and, in compressed layers, pool and store the compressors' entries -> what
+        `_attend_decode` reads: (the ring's keys read out [B, R, d], None when the attention kernel reads the ring
+        itself; which ring rows are inside the window [B, R]; which entries are visible [B, E] or None)."""
         cfg, pos, slot = self.cfg, batch.positions, batch.slots
         valid = None
         if self.compressor is not None:
@@ -319,9 +324,12 @@ class Attention:
             if self.indexer is not None:
                 self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate,
                                cache.index_keys, "index" if self.qat else None)
-        if attention_kernel_takes(kv, cache.window, cache.entries if self.compressor else None):
-            return None, window_mask(kv, pos, slot, cache.window, cfg.sliding_window), valid
-        return *window_step(kv, pos, slot, cache.window, cfg.sliding_window), valid
+        if not attention_kernel_takes(kv, cache.window, cache.entries if self.compressor else None):
+            return *window_step(self._keys(kv, pos), pos, slot, cache.window, cfg.sliding_window), valid
+        if self.qat:
+            return None, window_mask(self._keys(kv, pos), pos, slot, cache.window, cfg.sliding_window), valid
+        return None, store_keys(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq, slot, cache.window,
+                                cfg.sliding_window), valid
 
     def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
                        cache: LayerCache) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The query path of an attention layer after the `from_qr` product in one Triton launch: per head RMSNorm then
-RoPE of the q heads, RoPE alone of the indexer's qi heads (CSA layers); and the attention output's inverse RoPE
-(`inverse_rope_triton`) at decode batches whose attention kernel does not apply it in its combine.
+RoPE of the q heads, RoPE alone of the indexer's qi heads (CSA layers); the attention output's inverse RoPE (`inverse_rope_triton`)
+at decode batches whose attention kernel does not apply it in its combine; and a decode step's new keys normed,
+rotated and stored in their window rings (`store_keys_triton`).
 
 Why: at batch 1 a decode step is bound by its chain of dependent launches (~2 us each on the H200). The torch
 path costs three inductor kernels a CSA layer (`norm_rope(q)`: a reduction then a pointwise; `apply_rope(qi)`:
@@ -43,16 +44,16 @@ if HAVE_TRITON:
         return y.to(x.dtype)
 
     @triton.jit
-    def _rope_heads(x_ptr, y_ptr, w_ptr, inv_ptr, n, pos, hb, H, stride_n, stride_h, eps, D: tl.constexpr,
+    def _rope_heads(x_row, y_row, w_ptr, inv_ptr, pos, hb, H, stride_h, eps, D: tl.constexpr,
                     D_PAD: tl.constexpr, RD: tl.constexpr, RD_PAD: tl.constexpr, BH: tl.constexpr,
                     NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, PRECISE: tl.constexpr,
                     INVERSE: tl.constexpr = False):
-        """Heads hb*BH.. of token n: (NORM: RMSNorm, rounded, then) RoPE of the last RD channels (INVERSE: the
-        conjugate rotation), into y [N, H, D]."""
+        """Heads hb*BH.. of one token (its H heads at x_row, stride_h apart): (NORM: RMSNorm, rounded, then) RoPE
+        of the last RD channels (INVERSE: the conjugate rotation), rounded to x's dtype, into y_row's [H, D]."""
         heads = hb * BH + tl.arange(0, BH)
         hm = (heads < H)[:, None]
-        src = x_ptr + n * stride_n + heads[:, None] * stride_h
-        dst = y_ptr + (n * H + heads[:, None]) * D
+        src = x_row + heads[:, None] * stride_h
+        dst = y_row + heads[:, None] * D
         cols = tl.arange(0, D_PAD)[None, :]
         r = tl.arange(0, RD_PAD)
         rc = (D - RD + r)[None, :]              # rope channels
@@ -73,7 +74,7 @@ if HAVE_TRITON:
         sin = tl.where((r % 2 == 0) != INVERSE, -sin, sin)
         rot = xr.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * sin[None, :]
         tl.store(dst + cols, x, mask=m & (cols < D - RD))
-        tl.store(dst + rc, rot.to(y_ptr.dtype.element_ty), mask=rm)
+        tl.store(dst + rc, rot.to(x.dtype), mask=rm)
 
     @triton.jit
     def _query_rope_kernel(q_ptr, qo_ptr, w_ptr, qi_ptr, qio_ptr, pos_ptr, inv_ptr, HQ, HI, NQB, sq_n, sq_h,
@@ -86,12 +87,12 @@ if HAVE_TRITON:
         hb = tl.program_id(1)
         pos = tl.load(pos_ptr + n).to(tl.float32)
         if hb < NQB:    # q heads: normed then rotated
-            _rope_heads(q_ptr, qo_ptr, w_ptr, inv_ptr, n, pos, hb, HQ, sq_n, sq_h, eps, DQ, DQ_PAD, RD, RD_PAD,
-                        BHQ, True, HAS_WEIGHT, PRECISE)
+            _rope_heads(q_ptr + n * sq_n, qo_ptr + n * HQ * DQ, w_ptr, inv_ptr, pos, hb, HQ, sq_h, eps, DQ, DQ_PAD,
+                        RD, RD_PAD, BHQ, True, HAS_WEIGHT, PRECISE)
         else:
             if HAS_QI:  # qi heads: rotated only
-                _rope_heads(qi_ptr, qio_ptr, w_ptr, inv_ptr, n, pos, hb - NQB, HI, si_n, si_h, eps, DI, DI_PAD, RD,
-                            RD_PAD, BHI, False, False, PRECISE)
+                _rope_heads(qi_ptr + n * si_n, qio_ptr + n * HI * DI, w_ptr, inv_ptr, pos, hb - NQB, HI, si_h, eps,
+                            DI, DI_PAD, RD, RD_PAD, BHI, False, False, PRECISE)
 
 
     @triton.jit
@@ -100,8 +101,24 @@ if HAVE_TRITON:
                              PDL: tl.constexpr):
         pdl_start(PDL)
         n = tl.program_id(0).to(tl.int64)
-        _rope_heads(x_ptr, y_ptr, x_ptr, inv_ptr, n, tl.load(pos_ptr + n).to(tl.float32), tl.program_id(1), H,
-                    s_n, s_h, 0.0, D, D_PAD, RD, RD_PAD, BH, False, False, PRECISE, True)
+        _rope_heads(x_ptr + n * s_n, y_ptr + n * H * D, x_ptr, inv_ptr, tl.load(pos_ptr + n).to(tl.float32),
+                    tl.program_id(1), H, s_h, 0.0, D, D_PAD, RD, RD_PAD, BH, False, False, PRECISE, True)
+
+    @triton.jit
+    def _store_keys_kernel(kv_ptr, w_ptr, inv_ptr, pos_ptr, slot_ptr, ring_ptr, vis_ptr, s_kv, s_rs, s_rr, R,
+                           window, eps, D: tl.constexpr, D_PAD: tl.constexpr, RD: tl.constexpr,
+                           RD_PAD: tl.constexpr, R_PAD: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + n).to(tl.int64)
+        row = ring_ptr + tl.load(slot_ptr + n).to(tl.int64) * s_rs + (pos % R) * s_rr
+        _rope_heads(kv_ptr + n * s_kv, row, w_ptr, inv_ptr, pos.to(tl.float32), 0, 1, 0, eps, D, D_PAD, RD,
+                    RD_PAD, 1, True, True, PRECISE)
+        # ring row i holds the newest position <= pos that is i mod R (negative: never written)
+        i = tl.arange(0, R_PAD)
+        kpos = pos - ((pos - i) % R + R) % R
+        visible = (kpos > pos - window) & (kpos >= 0)
+        tl.store(vis_ptr + n * R + i, visible.to(tl.uint8), mask=i < R)
 
 
 def _heads(t: torch.Tensor, rd: int, name: str) -> torch.Tensor:
@@ -180,3 +197,35 @@ def inverse_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torc
         x.stride(1), D=d, D_PAD=d_pad, BH=bh, RD=rd, RD_PAD=next_pow2(rd), PRECISE=x.is_cuda, num_warps=4,
         **fusion, **pdl_args(x))
     return y
+
+
+def store_keys_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                      inv_freq: torch.Tensor, slots: torch.Tensor, ring: torch.Tensor, window: int) -> torch.Tensor:
+    """A decode step's new keys, one launch: kv [B, D] (any row stride) normed with `weight`, rotated at
+    `positions` (`norm_rope`), rounded to kv's dtype and stored in each sequence's window ring ring[slots[b],
+    positions[b] % R] (ring [S, R, D], any dtype, unit column stride); returns which ring rows are inside the
+    window [B, R] bool, as `window_mask` (moebox/model/decode_attention.py) does after `norm_rope`. Why: on a
+    batch-1 step that is six inductor kernels on attention's key branch, which the main stream waits for
+    (moebox/ops/streams.py). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
+    if not HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    rd = 2 * inv_freq.numel()
+    if kv.dim() != 2 or kv.stride(1) != 1 or kv.shape[1] < rd:
+        raise ValueError(f"kv must be [B, D >= {rd}] with unit column stride, got {tuple(kv.shape)}")
+    b, d = kv.shape
+    if ring.dim() != 3 or ring.shape[2] != d or ring.stride(2) != 1:
+        raise ValueError(f"ring must be [S, R, {d}] with unit column stride, got {tuple(ring.shape)}")
+    if tuple(weight.shape) != (d,) or slots.shape != (b,):
+        raise ValueError(f"weight must be [{d}] and slots [{b}], got {tuple(weight.shape)} and {tuple(slots.shape)}")
+    positions = _positions(positions, b)
+    r = ring.shape[1]
+    visible = torch.empty((b, r), dtype=torch.bool, device=kv.device)
+    if b == 0:
+        return visible
+    fusion = {} if interpreting() else {"enable_fp_fusion": False}
+    _store_keys_kernel[(b,)](
+        kv, weight, inv_freq.to(device=kv.device, dtype=torch.float32).contiguous(), positions,
+        slots.contiguous(), ring, visible.view(torch.uint8), kv.stride(0), ring.stride(0), ring.stride(1), r,
+        int(window), eps, D=d, D_PAD=next_pow2(d), RD=rd, RD_PAD=next_pow2(rd), R_PAD=next_pow2(r),
+        PRECISE=kv.is_cuda, num_warps=4, **fusion, **pdl_args(kv))
+    return visible
