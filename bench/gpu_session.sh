@@ -12,7 +12,9 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context)
-#   bash bench/gpu_session.sh probes    # why the inverse RoPE in the attention's combine loses at batch 1: its
+#   bash bench/gpu_session.sh probes    # the experimental MOEBOX_SIDE_PRIORITY and MOEBOX_KEYS_KERNEL: their GPU
+#                                       # tests, then decode at 4K with each and both against the default, twice
+#   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1: its
 #                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
 #                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
@@ -39,7 +41,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probes|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probes|ropeprobe|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -66,7 +68,7 @@ tests)
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
         tests/test_triton_rms_norm.py tests/test_triton_index_scores.py tests/test_triton_fp8_mma.py \
-        tests/test_cuda.py}
+        tests/test_triton_fp8_norm.py tests/test_triton_rope.py tests/test_cuda.py}
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone
     step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
@@ -83,8 +85,24 @@ topk)
 attnsweep)
     step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch 8 16 --kind csa hca --no-torch --sweep
     ;;
-probes)                       # the twentieth session's open question, one call: why the inverse RoPE in the
-    # attention's combine (MOEBOX_ATTENTION_ROPE=1) loses 0.32 ms at batch 1 while its kernels gain ~2 us a layer
+probes)                       # the twentieth session's two experimental switches, one call: their GPU tests,
+    # then the decode bench with each and both, alternating with the default twice
+    step new-kernel-tests timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
+        tests/test_triton_rope.py tests/test_streams.py tests/test_triton_pdl.py
+    for round in 1 2; do
+        for switch in default MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 \
+            MOEBOX_SIDE_PRIORITY=1,MOEBOX_KEYS_KERNEL=1; do
+            envs=""; [ "$switch" != default ] && envs=${switch//,/ }
+            # shellcheck disable=SC2086  # envs holds several assignments
+            step "decode-$switch-$round" env $envs python3 -m moebox.bench.decode decode --context 4096 \
+                --batch 1 2 4 8 16 --no-breakdown
+            grep -E "^\| *[0-9]+ \| *[0-9]+ \|" "$log" | tail -n 5 \
+                | awk -F'|' -v s="$switch" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
+        done
+    done
+    ;;
+ropeprobe)                    # why the inverse RoPE in the attention's combine (MOEBOX_ATTENTION_ROPE=1) loses
+    # 0.32 ms at batch 1 while its kernels gain ~2 us a layer: the kernels alone, then batch-1 timelines
     step rope-combine-probe python3 -m bench.rope_combine_probe
     for rope in 0 1; do
         for pdl in 0 1; do

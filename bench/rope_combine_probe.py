@@ -7,7 +7,7 @@ against 11.73). Yet the whole batch-1 step goes from 5.54 to 5.86 ms with it (~7
 session, docs/benchmarks.md). This times, per kind, batch (1, 8) and tiling, the attention call alone, with
 `apply_rope(inverse)` after it (what the model did), and with the RoPE in its combine, each as a CUDA-graph
 replay of calls on distinct slots (keys past L2); then the kernels of one eager batch-1 call under the
-profiler. `bash bench/gpu_session.sh probes` runs it with the batch-1 step's timelines beside it.
+profiler. `bash bench/gpu_session.sh ropeprobe` runs it with the batch-1 step's timelines beside it.
 
     python -m bench.rope_combine_probe       # CUDA only
 """

@@ -73,7 +73,7 @@ def _kernel_takes(q: torch.Tensor, qi: torch.Tensor | None = None) -> bool:
 
 def inverse_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """apply_rope(x, positions, inv_freq, inverse=True) for x [N, H, D] (an attention output), one Triton launch
-    at decode sizes on CUDA (where inductor's kernel would not wait for its input with PDL)."""
+    at decode sizes on CUDA."""
     if _kernel_takes(x):
         from moebox.ops.triton.rope import inverse_rope_triton
         return inverse_rope_triton(x, positions, inv_freq)

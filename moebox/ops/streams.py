@@ -8,15 +8,14 @@ two streams the small kernels of one run in the gaps of the other, and a CUDA gr
 branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain); `MOEBOX_OVERLAP=moe` (or
 `attention`, `mhc`, `pack`, or a comma list) only the branches of those names.
 
-With `MOEBOX_SIDE_PRIORITY=1` (experimental, off) side streams have a higher priority than the main stream,
-and a CUDA graph keeps it: stream capture copies a stream's priority into its kernel nodes, and torch instantiates graphs
-with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth session's
-timeline, H200, PDL on) attention's key branch started its first product 13 us after the fork, as the main
-stream's wq_b product (20 us) began its last programs, and the main stream then waited for the branch 12 us a
-CSA layer and 8 us in the others (~0.43 ms a step); the shared expert's last product also started as the
-routed experts' down kernel ended, after it. The block scheduler seems to hand free SM slots to the
-earlier-launched kernel's queued programs first; with priority a branch's programs should get them. Not yet
-measured: `AB="MOEBOX_SIDE_PRIORITY=0 MOEBOX_SIDE_PRIORITY=1" AB_BATCH="1 8 16" bash bench/gpu_session.sh ab`.
+With `MOEBOX_SIDE_PRIORITY=1` (experimental, off) side streams have a higher priority than the main stream, and a
+CUDA graph keeps it: stream capture copies a stream's priority into its kernel nodes, and torch instantiates graphs
+with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth session's timeline,
+H200, PDL on) attention's key branch started its first product 13 us after the fork, as the main stream's wq_b
+product (20 us) began its last programs, and the main stream then waited for the branch 12 us a CSA layer and 8 us
+in the others (~0.43 ms a step); the shared expert's last product also started as the routed experts' down kernel
+ended, after it. The block scheduler seems to hand free SM slots to the earlier-launched kernel's queued programs
+first; with priority a branch's programs should get them. Not yet measured (`bash bench/gpu_session.sh probes`).
 The switch is read when a side stream is first made (once a process).
 
 The tensors the branch reads from the main stream are passed as `reads`: the branch holds them until `join`.

@@ -1,7 +1,7 @@
 """The query path of an attention layer after the `from_qr` product in one Triton launch: per head RMSNorm then
-RoPE of the q heads, RoPE alone of the indexer's qi heads (CSA layers); the attention output's inverse RoPE (`inverse_rope_triton`)
-at decode batches whose attention kernel does not apply it in its combine; and a decode step's new keys normed,
-rotated and stored in their window rings (`store_keys_triton`).
+RoPE of the q heads, RoPE alone of the indexer's qi heads (CSA layers); the attention output's inverse RoPE
+(`inverse_rope_triton`) at decode batches whose attention kernel does not apply it in its combine; and a decode
+step's new keys normed, rotated and stored in their window rings (`store_keys_triton`).
 
 Why: at batch 1 a decode step is bound by its chain of dependent launches (~2 us each on the H200). The torch
 path costs three inductor kernels a CSA layer (`norm_rope(q)`: a reduction then a pointwise; `apply_rope(qi)`:
@@ -94,7 +94,6 @@ if HAVE_TRITON:
                 _rope_heads(qi_ptr + n * si_n, qio_ptr + n * HI * DI, w_ptr, inv_ptr, pos, hb - NQB, HI, si_h, eps,
                             DI, DI_PAD, RD, RD_PAD, BHI, False, False, PRECISE)
 
-
     @triton.jit
     def _inverse_rope_kernel(x_ptr, y_ptr, pos_ptr, inv_ptr, H, s_n, s_h, D: tl.constexpr, D_PAD: tl.constexpr,
                              BH: tl.constexpr, RD: tl.constexpr, RD_PAD: tl.constexpr, PRECISE: tl.constexpr,
@@ -178,9 +177,8 @@ def query_rope_triton(q: torch.Tensor, qi: torch.Tensor | None, positions: torch
 
 def inverse_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """apply_rope(x, positions, inv_freq, inverse=True) for x [N, H, D] (fp32/bf16/fp16, unit column stride) as a
-    new contiguous tensor, in one launch that waits for its input with PDL (the attention output's rotation
-    back at batch 1-3, where torch's kernel would break the step's chain of early launches). Runs on CUDA, or
-    on CPU tensors under TRITON_INTERPRET=1."""
+    new contiguous tensor, in one launch (the attention output's rotation back at batch 1-3, which the attention
+    kernel's combine does from batch 4). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     rd = 2 * inv_freq.numel()

@@ -67,18 +67,18 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   registers, so 16 gate-up warps an SM instead of 15 and 3 down programs instead of 2), and one token takes
   down split 16 (`default_config`). Loading x/h with the codes, two steps ahead (instead of from L2 in the
   step) cost 36 / 84 more registers and lost 4-30% in the eighth session's sweep (docs/benchmarks.md).
-  Tried and dropped (sixteenth session): register caps (maxnreg 96-104 for gate-up, 64 for down: 16-24 bytes
-  of spills) lost at N = 1-16; at down split 16 (one token's default since) a cap of 64 (8 bytes spilled, two
-  programs an SM, one wave) tied (twentieth session: 26.7 against 26.6 us a call); the right shifts as IMAD.HI (multiply-high by 2^(32-s), to move them off the
-  integer ALU pipe that the PRMT/LOP3/SHF mix saturates at N >= 4) lost 7-13%: IMAD.HI is slower than its
-  issue count suggests; Triton's pipeliner instead of the register prefetch (`tl.range(num_stages=2-3)`: the
-  code/scale tiles and down's h fragments through shared memory with cp.async, 12-126 KB a program) lost 1.3-2.5x
-  at every N. Seventeenth session: each program asking L2 for all its plane bytes first (the TMA's bulk
-  prefetch, one request per contiguous code/scale range) tied or lost at every N for either kernel (down at
-  split 8: +4-10% except a tie at N = 2; gate-up: +1-9% up to N = 8, a tie at 16); down loading the next
-  step's h fragments with its codes (83 registers; with a cap of 80 too) was within 2% of the default except
-  at N = 2 (49.7 against 52.6 us); a one-warp gate-up lost (N = 1: 36.8 against 30.0 us). So neither DRAM nor
-  L2 latency bounds the two kernels at N >= 4; their instruction issue does.
+  Tried and dropped (sixteenth session): register caps (maxnreg 96-104 for gate-up, 64 for down: 16-24 bytes of
+  spills) lost at N = 1-16; at down split 16 (one token's default since) a cap of 64 (8 bytes spilled, two programs
+  an SM, one wave) tied (twentieth session: 26.7 against 26.6 us a call); the right shifts as IMAD.HI
+  (multiply-high by 2^(32-s), to move them off the integer ALU pipe that the PRMT/LOP3/SHF mix saturates at N >= 4)
+  lost 7-13%: IMAD.HI is slower than its issue count suggests; Triton's pipeliner instead of the register prefetch
+  (`tl.range(num_stages=2-3)`: the code/scale tiles and down's h fragments through shared memory with cp.async,
+  12-126 KB a program) lost 1.3-2.5x at every N. Seventeenth session: each program asking L2 for all its plane
+  bytes first (the TMA's bulk prefetch, one request per contiguous code/scale range) tied or lost at every N for
+  either kernel (down at split 8: +4-10% except a tie at N = 2; gate-up: +1-9% up to N = 8, a tie at 16); down
+  loading the next step's h fragments with its codes (83 registers; with a cap of 80 too) was within 2% of the
+  default except at N = 2 (49.7 against 52.6 us); a one-warp gate-up lost (N = 1: 36.8 against 30.0 us). So neither
+  DRAM nor L2 latency bounds the two kernels at N >= 4; their instruction issue does.
   Accuracy: the products are exact (bf16 weights with the scale folded in, bf16 x terms) and summed in fp32,
   so fp32 x gives ~1e-6 relative error and bf16 x is bounded by the bf16 output rounding.
   Triton's interpreter cannot run inline asm: there (TRITON_INTERPRET=1) the same kernels run `_plain_word_dot`,
@@ -86,32 +86,32 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   per element, so the per-lane term columns and the mask go).
   Tried and dropped (ninth session): programs of 2-4 m-tiles (16 rows each) sharing each step's x fragments.
   Once the fragments came one L1 line a load they lost at every N (more registers, fewer programs).
-  Next: gate-up is now issue-bound (ncu at N = 8: 67% SM throughput, 0.5 issued a cycle a scheduler, 128
-  registers, 4 warps a scheduler), and 0.5 a cycle is what the integer ALU pipe takes (16 lanes a scheduler):
-  PRMT, LOP3 and SHF are ~70% of the loop, so fewer ALU ops a weight is the lever (moving the shifts to the
-  FMA pipe as IMAD.HI lost, see above). Tried and dropped (eighteenth session, commit 07e2fd2 has the code): e4m3
-  weights, 4 a PRMT straight from a word's codes (9 integer ops a word instead of 19), the scale folded into the
-  PRMT's table against a per-row reference exponent, x as e4m3 terms, into mma.sync m16n8k32 e4m3. ptxas emulates
-  FP8 mma.sync on sm_90 (each one 2 f16 HMMAs and F2FP conversions of the bytes): the loop went from 1.71 to 1.98
-  instructions a weight and the call lost 16-26% at N = 1-16. The s8 form of the same mma (IMMA.16832) is native on
-  sm_90 (that build: 1.20 instructions a weight; integer ALU ops 311 -> 183 a loop iteration), but an s8 weight
-  holds level * 2^d only for d = 0..4, 5 exponents, fewer than a row's scales take (the bench's random planes: 6):
-  exact s8 needs each mma's 32 K values of a row in one scale group (then the LUT is constant and the scale is
-  applied per group after an s32 mma), i.e. a GPU-side plane layout in which the 4 lanes of a row read one group,
-  and x/h as s8 terms with a per-token / per-pair scale. Counted before building it (nineteenth session, the
-  sm_90 SASS of that step on the CPU, assuming the relaid planes: 4 PRMT an mma from a constant table, the s32
-  result read as a float through the accumulator's magic 0x4B400000, then one FFMA with the group's 2^s and one
-  FADD into fp32 per result): 2.01 instructions a weight against the bf16 loop's 1.71, although its integer ALU
-  ops fall from 312 to 196 a loop iteration: the 4 results an mma of 16 weights a lane each cost 2 float ops
-  (64 FFMA, 64 FADD, 32 FMUL, 32 scale IMADs an iteration). If the loop is bound by its total issue (the e4m3
-  form's 16-26% loss matched its 1.98 / 1.71), s8 would lose ~18%; if by the integer pipe (the bf16 loop issues
-  ~0.5 a cycle a scheduler, 70% of it PRMT/SHF/LOP3; 2 cycles each), up to ~1.2x (622 pipe cycles a loop
-  iteration against s8's 514 instructions at one a cycle). Timed without the relayout (twentieth session, both
-  loops on the same planes; the probe is in commit 15fb357's bench/w2_s8_probe.py): s8 18.2 against 17.1 us at
-  N = 1, 2-4% faster at N = 4-16 (53.2 / 99.1 / 185.5 against 55.5 / 102.0 / 189.8 us), too little for a
-  layout every GPU reader of the planes would have to follow: not built. Also open: for verify steps whose tokens share experts,
-  grouping the (token, expert) pairs by expert (the mma has 8 columns: up to 8/T tokens of one expert per unpack;
-  random routing at N = 8 has ~44 distinct experts in 48 pairs, so the bench would not show it).
+  Next: gate-up is now issue-bound (ncu at N = 8: 67% SM throughput, 0.5 issued a cycle a scheduler, 128 registers,
+  4 warps a scheduler), and 0.5 a cycle is what the integer ALU pipe takes (16 lanes a scheduler): PRMT, LOP3 and
+  SHF are ~70% of the loop, so fewer ALU ops a weight is the lever (moving the shifts to the FMA pipe as IMAD.HI
+  lost, see above). Tried and dropped (eighteenth session, commit 07e2fd2 has the code): e4m3 weights, 4 a PRMT
+  straight from a word's codes (9 integer ops a word instead of 19), the scale folded into the PRMT's table against
+  a per-row reference exponent, x as e4m3 terms, into mma.sync m16n8k32 e4m3. ptxas emulates FP8 mma.sync on sm_90
+  (each one 2 f16 HMMAs and F2FP conversions of the bytes): the loop went from 1.71 to 1.98 instructions a weight
+  and the call lost 16-26% at N = 1-16. The s8 form of the same mma (IMMA.16832) is native on sm_90 (that build:
+  1.20 instructions a weight; integer ALU ops 311 -> 183 a loop iteration), but an s8 weight holds level * 2^d only
+  for d = 0..4, 5 exponents, fewer than a row's scales take (the bench's random planes: 6): exact s8 needs each
+  mma's 32 K values of a row in one scale group (then the LUT is constant and the scale is applied per group after
+  an s32 mma), i.e. a GPU-side plane layout in which the 4 lanes of a row read one group, and x/h as s8 terms with
+  a per-token / per-pair scale. Counted before building it (nineteenth session, the sm_90 SASS of that step on the
+  CPU, assuming the relaid planes: 4 PRMT an mma from a constant table, the s32 result read as a float through the
+  accumulator's magic 0x4B400000, then one FFMA with the group's 2^s and one FADD into fp32 per result): 2.01
+  instructions a weight against the bf16 loop's 1.71, although its integer ALU ops fall from 312 to 196 a loop
+  iteration: the 4 results an mma of 16 weights a lane each cost 2 float ops (64 FFMA, 64 FADD, 32 FMUL, 32 scale
+  IMADs an iteration). If the loop is bound by its total issue (the e4m3 form's 16-26% loss matched its 1.98 /
+  1.71), s8 would lose ~18%; if by the integer pipe (the bf16 loop issues ~0.5 a cycle a scheduler, 70% of it
+  PRMT/SHF/LOP3; 2 cycles each), up to ~1.2x (622 pipe cycles a loop iteration against s8's 514 instructions at one
+  a cycle). Timed without the relayout (twentieth session, both loops on the same planes; the probe is in commit
+  15fb357's bench/w2_s8_probe.py): s8 18.2 against 17.1 us at N = 1, 2-4% faster at N = 4-16 (53.2 / 99.1 / 185.5
+  against 55.5 / 102.0 / 189.8 us), too little for a layout every GPU reader of the planes would have to follow:
+  not built. Also open: for verify steps whose tokens share experts, grouping the (token, expert) pairs by expert
+  (the mma has 8 columns: up to 8/T tokens of one expert per unpack; random routing at N = 8 has ~44 distinct
+  experts in 48 pairs, so the bench would not show it).
 
 Variant "fma" (CUDA cores, exact fp32): `_gate_up_kernel`, grid (N*k, I/ROWS), and `_down_kernel`, grid
 (N, H/ROWS), same split of the work; [ROWS, WORDS] int32 tiles, per word ~10 ops give a "big" bit (codes 0, 3)
@@ -152,9 +152,9 @@ from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, graph_us, interp
 @dataclass(frozen=True)
 class DecodeConfig:
     """Kernel variant and blocks (see the module doc). "mma": gate_split / down_split warps per program, each
-    taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch:
-    how many K steps ahead the code/scale loads run (1 or 2). "fma": ROWS output rows x WORDS code words per program and step, num_warps,
-    num_stages, transpose_x. Shapes the mma kernels do not take run "fma"."""
+    taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch: how many
+    K steps ahead the code/scale loads run (1 or 2). "fma": ROWS output rows x WORDS code words per program and
+    step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run "fma"."""
 
     gate_rows: int = 16
     gate_words: int = 32
