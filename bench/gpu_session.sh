@@ -12,8 +12,9 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context)
-#   bash bench/gpu_session.sh probes    # the experimental MOEBOX_SIDE_PRIORITY and MOEBOX_KEYS_KERNEL: their GPU
-#                                       # tests, then decode at 4K with each and both against the default, twice
+#   bash bench/gpu_session.sh probes    # the experimental MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL and
+#                                       # MOEBOX_EARLY_FORK: their GPU tests, then decode at 4K (AB_BATCH, default
+#                                       # 1 8 16) with each and all three against the default, twice
 #   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1: its
 #                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
@@ -85,18 +86,19 @@ topk)
 attnsweep)
     step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch 8 16 --kind csa hca --no-torch --sweep
     ;;
-probes)                       # the twentieth session's two experimental switches, one call: their GPU tests,
-    # then the decode bench with each and both, alternating with the default twice
-    step new-kernel-tests timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
-        tests/test_triton_rope.py tests/test_streams.py tests/test_triton_pdl.py
+probes)                       # the twentieth session's three experimental switches for the key branch, one
+    # call: their GPU tests, then the decode bench with each and all three, alternating with the default twice
+    step new-kernel-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
+        tests/test_triton_rope.py tests/test_streams.py tests/test_triton_pdl.py tests/test_cuda.py \
+        -k "not test_cuda or decode_graphs_replay"
     for round in 1 2; do
-        for switch in default MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 \
-            MOEBOX_SIDE_PRIORITY=1,MOEBOX_KEYS_KERNEL=1; do
+        for switch in default MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 MOEBOX_EARLY_FORK=1 \
+            MOEBOX_SIDE_PRIORITY=1,MOEBOX_KEYS_KERNEL=1,MOEBOX_EARLY_FORK=1; do
             envs=""; [ "$switch" != default ] && envs=${switch//,/ }
             # shellcheck disable=SC2086  # envs holds several assignments
             step "decode-$switch-$round" env $envs python3 -m moebox.bench.decode decode --context 4096 \
-                --batch 1 2 4 8 16 --no-breakdown
-            grep -E "^\| *[0-9]+ \| *[0-9]+ \|" "$log" | tail -n 5 \
+                --batch ${AB_BATCH:-1 8 16} --no-breakdown
+            grep -E "^\| *[0-9]+ \| *[0-9]+ \|" "$log" | tail -n "$(echo ${AB_BATCH:-1 8 16} | wc -w)" \
                 | awk -F'|' -v s="$switch" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
         done
     done

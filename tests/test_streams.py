@@ -45,6 +45,42 @@ def test_branch_result_is_complete_after_join_eager_and_in_a_graph(monkeypatch):
         torch.testing.assert_close(out, want)
 
 
+def test_a_branch_entered_again_goes_on_after_the_main_streams_work_since(monkeypatch):
+    """The key branch's shape (moebox/model/attention.py): a first body that needs only the input, main-stream
+    work, then a second body that reads what the main stream made in between; eager and replayed from a graph,
+    the same result as on one stream."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.randn(2048, 2048, device="cuda", generator=gen) / 45
+
+    def step() -> torch.Tensor:
+        branch = Branch(a, "test", reads=(a,))
+        with branch:
+            y = a
+            for _ in range(10):
+                y = torch.tanh(y @ a)
+        m = a @ a                               # the main stream's product, which the second body reads
+        for _ in range(10):
+            m = torch.tanh(m @ a)
+        branch.hold(m)
+        with branch:
+            y = y + m * 2
+        branch.join()
+        return y.sum(dim=1) - m.sum(dim=1)
+
+    monkeypatch.setenv("MOEBOX_OVERLAP", "0")
+    want = step()
+    monkeypatch.setenv("MOEBOX_OVERLAP", "1")
+    torch.testing.assert_close(step(), want)
+    graph, out = capture(step)
+    for scale in (0.5, 2.0):
+        a.mul_(scale)
+        monkeypatch.setenv("MOEBOX_OVERLAP", "0")
+        want = step()
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out, want)
+
+
 def test_branch_is_off_on_the_cpu_and_when_disabled():
     t = torch.ones(3)
     with Branch(t, "test") as branch:

@@ -11,6 +11,7 @@ does not close at this token goes to the table's scratch row, and the indexer's 
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -148,13 +149,21 @@ class Attention:
         cfg, pos = self.cfg, batch.positions
         n = x.shape[0]
         decode = isinstance(batch, DecodeBatch)
+        # a decode step pools the compressors' entries (their bf16 products of x included) and stores its keys on
+        # a side stream, next to the queries. The branch forks after the main stream's first product (kv), or with
+        # MOEBOX_EARLY_FORK=1 (experimental, off) before it: the pooling products read x alone, and forked after
+        # it they queued behind the query latent's programs (a batch-1 step's main stream then waited for the
+        # branch, 8-12 us a layer on the H200); the branch then waits for kv only where it stores the keys
+        keys_branch = Branch(x, "attention", reads=(x,), enabled=decode)
+        early = keys_branch.on and os.environ.get("MOEBOX_EARLY_FORK") == "1"
+        if early:
+            with keys_branch:
+                rest = self._pool_rows(x)
         q_a, kv = self.from_x(x)
-        # a decode step stores its keys and pools the compressors' entries (their bf16 products included) on a
-        # side stream, next to the queries
-        with Branch(x, "attention", reads=(x, kv), enabled=decode) as keys_branch:
-            # compressor and indexer rows stay in x's dtype here (on the GPU: bf16 products with fp32
-            # accumulation); their users widen them to fp32, inside the decode step's fused functions and kernels
-            rest = self.pool_from_x(x) if self.pool_from_x is not None else []
+        keys_branch.hold(kv)
+        with keys_branch:
+            if not early:
+                rest = self._pool_rows(x)
             comp = (rest[0], rest[1]) if self.compressor else None
             icomp = (rest[3], rest[4]) if self.indexer else None
             if decode:
@@ -184,6 +193,12 @@ class Attention:
             out = inverse_rope(out, pos, self.inv_freq)
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
+
+    def _pool_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The compressors' and the indexer's products of x (empty in sliding layers), in x's dtype (on the GPU:
+        bf16 products with fp32 accumulation); their users widen them to fp32, inside the decode step's fused
+        functions and kernels."""
+        return self.pool_from_x(x) if self.pool_from_x is not None else []
 
     def _keys(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The K=V rows of kv's product: normed and rotated (and QAT-rounded)."""

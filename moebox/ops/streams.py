@@ -57,10 +57,11 @@ def _side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
 
 class Branch:
     """`with Branch(x, name, reads) as b:` runs its body on the side stream of x's device, after everything queued
-    so far on the current stream; `b.join()` makes the current stream wait for the body's work. Off CUDA, with
-    MOEBOX_OVERLAP=0 (or a list without `name`), or when `enabled` is false, the body runs in place and `join`
-    does nothing. `purpose`: the side stream (one per purpose and device), so that branches of different kinds
-    do not queue behind each other."""
+    so far on the current stream; `b.join()` makes the current stream wait for the body's work. Entered again
+    (`with b:`), the branch goes on after what the current stream queued since: a branch can start on what it
+    needs first and wait for the rest only where it needs it. Off CUDA, with MOEBOX_OVERLAP=0 (or a list without
+    `name`), or when `enabled` is false, the body runs in place and `join` does nothing. `purpose`: the side
+    stream (one per purpose and device), so that branches of different kinds do not queue behind each other."""
 
     def __init__(self, t: torch.Tensor, name: str, reads: Sequence[torch.Tensor | None] = (),
                  enabled: bool = True, purpose: str = "branch") -> None:
@@ -69,11 +70,11 @@ class Branch:
         if self.on:
             self.main = torch.cuda.current_stream(t.device)
             self.side = _side_stream(t.device, purpose)
-            self._context = torch.cuda.stream(self.side)
 
     def __enter__(self) -> Branch:
         if self.on:
             self.side.wait_stream(self.main)
+            self._context = torch.cuda.stream(self.side)
             self._context.__enter__()
         return self
 
