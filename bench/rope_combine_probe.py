@@ -38,10 +38,11 @@ def graph_table(device: torch.device) -> None:
             args = {n: v for n, v in inp.items() if n != "slot"}
             rope = (torch.randint(0, 4096, (b,), device=device), rope_inv_freq(64, 10000.0, None).to(device))
             for name, cfg in CONFIGS:
-                plain = [lambda s=s, c=cfg: da.attend_triton(slot=s, **args, config=c) for s in slots]
-                after = [lambda s=s, c=cfg: apply_rope(da.attend_triton(slot=s, **args, config=c), *rope,
-                                                       inverse=True) for s in slots]
-                inside = [lambda s=s, c=cfg: da.attend_triton(slot=s, **args, config=c, rope=rope) for s in slots]
+                plain = [lambda s=s, c=cfg, a=args: da.attend_triton(slot=s, **a, config=c) for s in slots]
+                after = [lambda s=s, c=cfg, a=args, r=rope: apply_rope(da.attend_triton(slot=s, **a, config=c), *r,
+                                                                       inverse=True) for s in slots]
+                inside = [lambda s=s, c=cfg, a=args, r=rope: da.attend_triton(slot=s, **a, config=c, rope=r)
+                          for s in slots]
                 us = [graph_us(f) for f in (plain, after, inside)]
                 print(f"{kind} B={b} {name:10s} attention {us[0]:6.2f} | + apply_rope {us[1]:6.2f} | RoPE in the "
                       f"combine {us[2]:6.2f} us", flush=True)
