@@ -16,7 +16,8 @@
 #                                       # MOEBOX_EARLY_FORK: their GPU tests, then decode at 4K (AB_BATCH, default
 #                                       # 1 8 16) with each and all three against the default, twice
 #   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1: its
-#                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on
+#                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on,
+#                                       # and with the key-branch switches; the key-branch wait in each
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
 #                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
 #   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
@@ -104,7 +105,8 @@ probes)                       # the twentieth session's three experimental switc
     done
     ;;
 ropeprobe)                    # why the inverse RoPE in the attention's combine (MOEBOX_ATTENTION_ROPE=1) loses
-    # 0.32 ms at batch 1 while its kernels gain ~2 us a layer: the kernels alone, then batch-1 timelines
+    # 0.32 ms at batch 1 while its kernels gain ~2 us a layer: the kernels alone, then batch-1 timelines (and one
+    # with the three key-branch switches on), with the main stream's wait for the key branch in each
     step rope-combine-probe python3 -m bench.rope_combine_probe
     for rope in 0 1; do
         for pdl in 0 1; do
@@ -113,6 +115,9 @@ ropeprobe)                    # why the inverse RoPE in the attention's combine 
                 --timeline "$out/timeline-rope$rope-pdl$pdl.tsv"
         done
     done
+    step timeline-keys env MOEBOX_EARLY_FORK=1 MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 python3 -m \
+        moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-keys.tsv"
+    python3 -m bench.timeline_waits "$out"/timeline-*.tsv | tee -a "$out/summary.txt"
     ;;
 index)
     step index-bench python3 -m moebox.ops.triton.index_scores

@@ -125,3 +125,20 @@ def test_copy_learning_splits_each_row_into_runs_and_repeats():
 
     _, first, repeat = losses_by_half(oracle, rows, run_len=5)
     assert abs(first - math.log(7)) < 1e-4 and repeat < 1e-4
+
+
+def test_timeline_waits_measure_the_gap_after_the_query_rope(tmp_path, capsys):
+    """bench/timeline_waits.py on a hand-written timeline: a CSA layer whose query RoPE ends at 20 us and whose
+    indexer scores start at 32 (wait 12), an HCA layer whose RoPE ends at 60 and attention starts at 61 (wait 1,
+    with a side-stream kernel in between that does not count), and a RoPE with nothing after it."""
+    from bench.timeline_waits import key_branch_waits, main
+    rows = [("0", "5", "_fp8_gemv_kernel"), ("15", "5", "_query_rope_kernel"), ("18", "10", "_compress_kernel"),
+            ("32", "3", "_index_scores_kernel"), ("36", "9", "_topk_kernel"), ("40", "15", "_attend_kernel"),
+            ("57", "3", "_query_rope_kernel"), ("59", "4", "triton_poi_fused_index_put"), ("61", "8", "_attend_kernel"),
+            ("80", "2", "_query_rope_kernel")]
+    waits = key_branch_waits([dict(start_us=a, dur_us=b, name=c) for a, b, c in rows])
+    assert waits.csa == [12.0] and waits.other == [1.0]
+    path = tmp_path / "t.tsv"
+    path.write_text("start_us\tdur_us\tidle_us\tstream\tname\n" + "".join(f"{a}\t{b}\t0\t7\t{c}\n" for a, b, c in rows))
+    main([str(path)])
+    assert "CSA 1 layers, 12.0 us each; others 1 layers, 1.0 us each; 13 us" in capsys.readouterr().out
