@@ -12,9 +12,10 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context)
-#   bash bench/gpu_session.sh probes    # the experimental MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL and
-#                                       # MOEBOX_EARLY_FORK: their GPU tests, then decode at 4K (AB_BATCH, default
-#                                       # 1 8 16) with each and all three against the default, twice
+#   bash bench/gpu_session.sh probetests # the GPU tests of the experimental MOEBOX_SIDE_PRIORITY,
+#                                       # MOEBOX_KEYS_KERNEL, MOEBOX_EARLY_FORK and MOEBOX_ROUTER_KERNEL
+#   bash bench/gpu_session.sh probes    # decode at 4K (AB_BATCH, default 1 8 16) with each of those four and all
+#                                       # of them against the default, twice
 #   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1: its
 #                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on,
 #                                       # and with the key-branch switches; the key-branch wait in each
@@ -43,7 +44,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probes|ropeprobe|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -87,14 +88,16 @@ topk)
 attnsweep)
     step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch 8 16 --kind csa hca --no-torch --sweep
     ;;
-probes)                       # the twentieth session's three experimental switches for the key branch, one
-    # call: their GPU tests, then the decode bench with each and all three, alternating with the default twice
-    step new-kernel-tests timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
-        tests/test_triton_rope.py tests/test_streams.py tests/test_triton_pdl.py tests/test_cuda.py \
-        -k "not test_cuda or decode_graphs_replay"
+probetests)                   # the GPU tests of the twentieth session's experimental switches (~3 min)
+    step new-kernel-tests timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
+        tests/test_triton_rope.py tests/test_streams.py tests/test_triton_route.py tests/test_triton_pdl.py \
+        tests/test_cuda.py -k "not test_cuda or decode_graphs_replay"
+    ;;
+probes)                       # the twentieth session's experimental switches, one call: the decode bench with
+    # each and all four, alternating with the default twice
     for round in 1 2; do
-        for switch in default MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 MOEBOX_EARLY_FORK=1 \
-            MOEBOX_SIDE_PRIORITY=1,MOEBOX_KEYS_KERNEL=1,MOEBOX_EARLY_FORK=1; do
+        for switch in default MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 MOEBOX_EARLY_FORK=1 MOEBOX_ROUTER_KERNEL=1 \
+            MOEBOX_SIDE_PRIORITY=1,MOEBOX_KEYS_KERNEL=1,MOEBOX_EARLY_FORK=1,MOEBOX_ROUTER_KERNEL=1; do
             envs=""; [ "$switch" != default ] && envs=${switch//,/ }
             # shellcheck disable=SC2086  # envs holds several assignments
             step "decode-$switch-$round" env $envs python3 -m moebox.bench.decode decode --context 4096 \

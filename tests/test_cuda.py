@@ -61,18 +61,18 @@ def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path):
     assert diff <= 1e-3
 
 
-@pytest.mark.parametrize("overlap", ["1", "0", "early fork, priority, keys kernel"])
+@pytest.mark.parametrize("overlap", ["1", "0", "experimental switches"])
 def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, overlap):
     """Captured decode steps (padded to the captured batch size, spare rows on the scratch slot) give the logits
     of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; with the side
     streams (every Branch forks and joins inside the captured step) and without; with the experimental
-    switches of the key branch (MOEBOX_EARLY_FORK, MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL)."""
+    switches (MOEBOX_EARLY_FORK, MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL, MOEBOX_ROUTER_KERNEL)."""
     from moebox.model.batch import DecodeBatch
     from moebox.ops import streams
     from moebox.runtime.graphs import DecodeGraphs
-    if overlap.startswith("early"):
+    if overlap == "experimental switches":
         overlap = "1"
-        for switch in ("MOEBOX_EARLY_FORK", "MOEBOX_SIDE_PRIORITY", "MOEBOX_KEYS_KERNEL"):
+        for switch in ("MOEBOX_EARLY_FORK", "MOEBOX_SIDE_PRIORITY", "MOEBOX_KEYS_KERNEL", "MOEBOX_ROUTER_KERNEL"):
             monkeypatch.setenv(switch, "1")
         monkeypatch.setattr(streams, "_side_streams", {})    # made again, with the priority
     monkeypatch.setenv("MOEBOX_OVERLAP", overlap)

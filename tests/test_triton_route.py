@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moebox.ops.moe import route_from_logits
-from tests.interpreter import run_in_interpreter
+from tests.interpreter import check_in_interpreter, run_in_interpreter
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -61,6 +61,53 @@ def test_kernel_in_triton_interpreter():
     assert "OK" in run_in_interpreter(_CASES)
 
 
+_ROUTER_CASES = textwrap.dedent("""
+    import json, os, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from moebox.ops.moe import route_from_logits
+    import moebox.ops.triton.route as kernel
+    from tests.test_triton_route import same_routing
+    g = torch.Generator().manual_seed(1)
+    # (N, E, H, k, scoring, bias, norm, scaling, dtype), one call after the other: each token's counter goes on
+    # from where the calls before left it (N and E change)
+    cases = [(3, 256, 96, 6, "sqrtsoftplus", True, True, 2.5, torch.float32),
+             (1, 256, 96, 6, "sqrtsoftplus", True, True, 2.5, torch.float32),
+             (5, 16, 4200, 2, "sigmoid", False, True, 1.0, torch.float32),     # H past one 4096 block
+             (2, 10, 40, 3, "sqrtsoftplus", True, False, 1.5, torch.float16),
+             (3, 256, 96, 6, "sqrtsoftplus", True, True, 2.5, torch.float32)]
+    for n, e, h, k, scoring, has_bias, norm, scaling, dt in cases:
+        x = (torch.randn(n, h, generator=g)).to(dt)
+        gate = (torch.randn(e, h, generator=g) / h ** 0.5).to(dt)
+        bias = torch.randn(e, generator=g) * 0.1 if has_bias else None
+        kw = dict(top_k=k, scoring_func=scoring, norm_topk_prob=norm, scaling=scaling)
+        ids, w = kernel.router_route_triton(x, gate, bias, **kw)
+        logits = x.double() @ gate.double().T
+        same_routing(ids, w, *route_from_logits(logits.float(), bias=bias, tid2eid=None, tokens=None, **kw))
+    # between calls each token's counter is a whole number of calls (of E / 2 programs each)
+    assert {p: c.tolist() for (_, p), c in kernel._counters.items()} == {
+        128: [3 * 128, 2 * 128, 2 * 128] + [0] * 13, 8: [8] * 5 + [0] * 11, 5: [5] * 2 + [0] * 14}
+
+    # the tiny model's decode steps with the fused router against the routing kernel after the torch product
+    from tests.interpreter import count_calls, switch_result, tiny_model
+    calls = count_calls(kernel, "router_route_triton")
+    for switch in ("ATTENTION", "COMPRESS", "PREFILL_ATTENTION", "TOPK", "INDEX", "W2_PREFILL", "ROPE"):
+        os.environ[f"MOEBOX_{switch}_KERNEL"] = "0"
+    cfg, model = tiny_model()
+    result = switch_result(model, cfg, "MOEBOX_ROUTER_KERNEL", 3)
+    assert calls, "the model never took the fused router"
+    print("RESULT " + json.dumps([result]))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_fused_router_in_triton_interpreter():
+    """The router's product and the routing in one launch (`router_route_triton`) against the routing of fp64
+    logits: V4's E 256 and k 6, E not a power of two, H over one block, fp16, consecutive calls of different
+    token counts (the per-token counters); then in the tiny model's decode steps."""
+    check_in_interpreter(_ROUTER_CASES, default_tol=1e-5)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_what_it_refuses():
     from moebox.ops.triton.route import route_triton, supported
@@ -69,6 +116,15 @@ def test_what_it_refuses():
     assert not supported(torch.zeros(2, 8), "sigmoid", 9)              # k > E
     with pytest.raises(ValueError, match="route_triton takes"):
         route_triton(torch.zeros(2, 8), None, top_k=2, scoring_func="softmax", norm_topk_prob=True, scaling=1.0)
+    from moebox.ops.triton.route import router_route_triton, router_supported
+    x, gate = torch.zeros(2, 8), torch.zeros(6, 8)
+    assert router_supported(x, gate, "sigmoid", 2)
+    assert not router_supported(x, torch.zeros(7, 8), "sigmoid", 2)             # E not a multiple of 2
+    assert not router_supported(torch.zeros(17, 8), gate, "sigmoid", 2)         # more than 16 tokens
+    assert not router_supported(x, gate.int(), "sigmoid", 2)                    # not a float weight
+    with pytest.raises(ValueError, match="router_route_triton takes"):
+        router_route_triton(x, torch.zeros(6, 9), None, top_k=2, scoring_func="sigmoid", norm_topk_prob=True,
+                            scaling=1.0)
 
 
 @pytest.mark.gpu
@@ -90,3 +146,32 @@ def test_gpu_v4_router(n: int, dtype: torch.dtype):
     out[1].fill_(float("nan"))
     graph.replay()
     same_routing(*out, *ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_gpu_fused_v4_router(n: int):
+    """The fused router at the V4-Flash shape (E 256, H 4096, bf16, k 6) against the routing of the same
+    product in fp64, eagerly and replayed from a CUDA graph on new inputs (the counters carry over)."""
+    from moebox.ops.cuda_graphs import capture
+    from moebox.ops.triton.route import router_route_triton
+    g = torch.Generator(device="cuda").manual_seed(10 + n)
+    x = torch.randn(n, 4096, generator=g, device="cuda").bfloat16()
+    gate = (torch.randn(256, 4096, generator=g, device="cuda") / 64).bfloat16()
+    bias = torch.randn(256, generator=g, device="cuda") * 0.05
+    kw = dict(top_k=6, scoring_func="sqrtsoftplus", norm_topk_prob=True, scaling=2.5)
+
+    def ref():
+        logits = (x.double() @ gate.double().T).float()
+        return route_from_logits(logits, bias=bias, tid2eid=None, tokens=None, **kw)
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)     # poison what the allocator hands out
+    for _ in range(3):
+        same_routing(*router_route_triton(x, gate, bias, **kw), *ref())
+    graph, out = capture(lambda: router_route_triton(x, gate, bias, **kw))
+    for seed in range(3):
+        x.copy_(torch.randn(n, 4096, generator=g, device="cuda").bfloat16())
+        out[0].fill_(-1)
+        out[1].fill_(float("nan"))
+        graph.replay()
+        same_routing(*out, *ref())

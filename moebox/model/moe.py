@@ -64,12 +64,23 @@ class MoE:
                   scaling=cfg.routed_scaling_factor)
         if self.tid2eid is None and x.shape[0] <= DECODE_TOKENS and kernel_switched_on(x, "MOEBOX_ROUTE_KERNEL"):
             from moebox.ops.triton import route as kernel
+            if self._fused_router_takes(x, kernel):
+                return kernel_or_fallback(
+                    "router", "MOEBOX_ROUTER_KERNEL", lambda: kernel.router_route_triton(x, self.gate, self.bias, **kw),
+                    lambda: route(x, self.gate, bias=self.bias, tid2eid=None, tokens=tokens, **kw))
             logits = logits_linear(x, self.gate)     # bf16 x and gate on CUDA: one product, no fp32 copies
             if kernel.supported(logits, cfg.scoring_func, cfg.num_experts_per_tok):
                 return kernel_or_fallback(
                     "routing", "MOEBOX_ROUTE_KERNEL", lambda: kernel.route_triton(logits, self.bias, **kw),
                     lambda: route_from_logits(logits, bias=self.bias, tid2eid=None, tokens=None, **kw))
         return route(x, self.gate, bias=self.bias, tid2eid=self.tid2eid, tokens=tokens, **kw)
+
+    def _fused_router_takes(self, x: torch.Tensor, kernel) -> bool:
+        """Whether the router's product and the routing run as one launch (`router_route_triton`): with
+        MOEBOX_ROUTER_KERNEL=1 (experimental, off; not yet measured), outside autograd, for a float gate weight."""
+        return (kernel_switched_on(x, "MOEBOX_ROUTER_KERNEL", default=False) and isinstance(self.gate, torch.Tensor)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.gate.requires_grad))
+                and kernel.router_supported(x, self.gate, self.cfg.scoring_func, self.cfg.num_experts_per_tok))
 
     def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

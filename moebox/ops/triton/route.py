@@ -44,10 +44,17 @@ if HAVE_TRITON:
                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         pdl_start(PDL)
         n = tl.program_id(0).to(tl.int64)
+        _route_row(logits_ptr + n * stride_ln, bias_ptr, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING,
+                   HAS_BIAS, NORM, "")
+
+    @triton.jit
+    def _route_row(row, bias_ptr, ids_ptr, w_ptr, n, E, scaling, K: tl.constexpr, K_PAD: tl.constexpr,
+                   BLOCK_E: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                   CACHE: tl.constexpr):
+        """Token n's routing from its E logits at `row` (loaded with cache modifier CACHE) into ids/w row n."""
         offs = tl.arange(0, BLOCK_E)
         me = offs < E
-        row = logits_ptr + n * stride_ln
-        sel = _scores(tl.load(row + offs, mask=me, other=0.0).to(tl.float32), SCORING)
+        sel = _scores(tl.load(row + offs, mask=me, other=0.0, cache_modifier=CACHE).to(tl.float32), SCORING)
         if HAS_BIAS:
             sel += tl.load(bias_ptr + offs, mask=me, other=0.0).to(tl.float32)
         sel = tl.where(me, sel, float("-inf"))
@@ -63,11 +70,43 @@ if HAVE_TRITON:
             key = tl.where(offs == e, -9223372036854775807 - 1, key)
         ids = tl.minimum(ids, E - 1)
         mk = kk < K
-        ws = tl.where(mk, _scores(tl.load(row + ids, mask=mk, other=0.0).to(tl.float32), SCORING), 0.0)
+        ws = tl.where(mk, _scores(tl.load(row + ids, mask=mk, other=0.0, cache_modifier=CACHE).to(tl.float32),
+                                  SCORING), 0.0)
         if NORM:
             ws = ws / (tl.sum(ws, axis=0) + 1e-20)
         tl.store(ids_ptr + n * K + kk, ids.to(tl.int64), mask=mk)
         tl.store(w_ptr + n * K + kk, ws * scaling, mask=mk)
+
+
+    @triton.jit
+    def _router_route_kernel(x_ptr, g_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, w_ptr, E, H, stride_xn,
+                             stride_ge, scaling, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+                             K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        """Program (r, n): token n's logits of experts r*ROWS.. (fp32 products and sums) into
+        logits[n]; the last of token n's E / ROWS programs to finish (its counter, which only ever grows, reaches
+        a multiple of E / ROWS) routes the token from them."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        n = tl.program_id(1).to(tl.int64)
+        rows = r * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_H)
+        acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            mh = h0 + cols < H
+            x = tl.load(x_ptr + n * stride_xn + h0 + cols, mask=mh, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_ge + h0 + cols[None, :], mask=mh[None, :],
+                        other=0.0).to(tl.float32)
+            acc += g * x[None, :]
+        tl.store(logits_ptr + n * E + rows, tl.sum(acc, axis=1))
+        # every thread's store before one thread's release of the count; the last program's loads after its
+        # acquire (and from L2: the other programs' stores are not in this SM's L1)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + n, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if done % (E // ROWS) == E // ROWS - 1:
+            _route_row(logits_ptr + n * E, bias_ptr, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING,
+                       HAS_BIAS, NORM, ".cg")
 
 
 def supported(logits: torch.Tensor, scoring_func: str, top_k: int) -> bool:
@@ -93,4 +132,48 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int,
             K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(e), SCORING=SCORINGS[scoring_func],
             HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), num_warps=1 if e <= 1024 else 4,
             **pdl_args(logits))
+    return ids, w
+
+
+ROUTER_ROWS = 2           # experts a program of the fused router computes (V4-Flash: 128 programs a token)
+ROUTER_MAX_TOKENS = 16
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and programs a token
+
+
+def router_supported(x: torch.Tensor, gate: torch.Tensor, scoring_func: str, top_k: int) -> bool:
+    """Whether `router_route_triton` takes x [N <= 16, H] and the gate weight [E, H] (float dtypes, unit column
+    stride, E a multiple of ROUTER_ROWS)."""
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    return (HAVE_TRITON and x.dim() == 2 and gate.dim() == 2 and x.shape[1] == gate.shape[1]
+            and x.dtype in floats and gate.dtype in floats and x.stride(1) == 1
+            and gate.stride(1) == 1 and x.shape[0] <= ROUTER_MAX_TOKENS and scoring_func in SCORINGS
+            and gate.shape[0] % ROUTER_ROWS == 0 and 1 <= top_k <= gate.shape[0] <= MAX_EXPERTS)
+
+
+def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, *, top_k: int,
+                        scoring_func: str, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_triton(x @ gate.T in fp32, ...)` in one launch instead of two: each program computes a few experts'
+    logits of one token, and the token's last program to finish routes it (a per-token counter on the device,
+    one set per device and E / ROUTER_ROWS, never reset: it only grows, by E / ROUTER_ROWS a call, so it is a
+    multiple of that between calls and a CUDA graph replays it; calls must not run at the same time on two
+    streams). Why: at decode the routing kernel is one more
+    dependent launch on the main stream of every MoE layer. Experimental (MOEBOX_ROUTER_KERNEL=1)."""
+    if not router_supported(x, gate, scoring_func, top_k):
+        raise ValueError(f"router_route_triton takes float x [N <= {ROUTER_MAX_TOKENS}, H] and gate [E, H], "
+                         f"E a multiple of {ROUTER_ROWS}, scoring {sorted(SCORINGS)}; got x {tuple(x.shape)} "
+                         f"{x.dtype}, gate {tuple(gate.shape)} {gate.dtype}, {scoring_func}")
+    (n, h), e = x.shape, gate.shape[0]
+    ids = torch.empty((n, top_k), dtype=torch.int64, device=x.device)
+    w = torch.empty((n, top_k), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return ids, w
+    key = (x.device, e // ROUTER_ROWS)
+    if key not in _counters:
+        _counters[key] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int64, device=x.device)
+    logits = torch.empty((n, e), dtype=torch.float32, device=x.device)
+    _router_route_kernel[(e // ROUTER_ROWS, n)](
+        x, gate, gate if bias is None else bias, logits, _counters[key], ids, w, e, h, x.stride(0),
+        gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096), K=top_k,
+        K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(e), SCORING=SCORINGS[scoring_func], HAS_BIAS=bias is not None,
+        NORM=bool(norm_topk_prob), num_warps=4, **pdl_args(x))
     return ids, w
