@@ -51,6 +51,12 @@ mkdir -p "$out"
 log="$out/$phase.log"
 export PYTHONUNBUFFERED=1
 
+decode_row() {                # decode_row SIZES NAME: the last decode bench's ms a step at SIZES (or AB_BATCH)
+    local sizes=${AB_BATCH:-$1}
+    grep -E "^\| *[0-9]+ \| *[0-9]+ \|" "$log" | tail -n "$(echo "$sizes" | wc -w)" \
+        | awk -F'|' -v s="$2" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
+}
+
 step() {                      # step NAME CMD...: run, log everything, print a one-line result
     local name=$1 t0 rc
     shift
@@ -102,8 +108,7 @@ probes)                       # the twentieth session's experimental switches, o
             # shellcheck disable=SC2086  # envs holds several assignments
             step "decode-$switch-$round" env $envs python3 -m moebox.bench.decode decode --context 4096 \
                 --batch ${AB_BATCH:-1 8 16} --no-breakdown
-            grep -E "^\| *[0-9]+ \| *[0-9]+ \|" "$log" | tail -n "$(echo ${AB_BATCH:-1 8 16} | wc -w)" \
-                | awk -F'|' -v s="$switch" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
+            decode_row "1 8 16" "$switch"
         done
     done
     ;;
@@ -177,8 +182,7 @@ versions)                     # the decode bench of a base tree (BASE_DIR) again
         # shellcheck disable=SC2086  # envs holds several assignments; AB_BATCH several sizes
         step "decode-$spec" env -C "$dir" ${envs//,/ } python3 -m moebox.bench.decode decode \
             --context ${AB_CONTEXT:-4096} --batch ${AB_BATCH:-1 2 4 8 16} --no-breakdown
-        grep -E "^\| *[0-9]+ \| *[0-9]+ \|" "$log" | tail -n "$(echo ${AB_BATCH:-1 2 4 8 16} | wc -w)" \
-            | awk -F'|' -v s="$spec" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
+        decode_row "1 2 4 8 16" "$spec"
     done
     ;;
 train)

@@ -6,8 +6,9 @@ attention + combine + a separate inverse RoPE 15.91 us against 13.83 with the Ro
 against 11.73). Yet the whole batch-1 step goes from 5.54 to 5.86 ms with it (~7 us a layer; twentieth
 session, docs/benchmarks.md). This times, per kind, batch (1, 8) and tiling, the attention call alone, with
 `apply_rope(inverse)` after it (what the model did), and with the RoPE in its combine, each as a CUDA-graph
-replay of calls on distinct slots (keys past L2); then the kernels of one eager batch-1 call under the
-profiler. `bash bench/gpu_session.sh ropeprobe` runs it with the batch-1 step's timelines beside it.
+replay of calls on distinct slots (keys past L2, every key visible: `replay_inputs`, as the attention bench);
+then the kernels of one eager batch-1 call under the profiler. `bash bench/gpu_session.sh ropeprobe` runs it
+with the batch-1 step's timelines beside it.
 
     python -m bench.rope_combine_probe       # CUDA only
 """
@@ -20,7 +21,7 @@ import torch
 
 from moebox.ops.rope import apply_rope, rope_inv_freq
 from moebox.ops.triton import decode_attention as da
-from moebox.ops.triton.runtime import cdiv, graph_us, versions
+from moebox.ops.triton.runtime import graph_us, versions
 
 CONFIGS = (("pick", None), ("batch 1", da.DECODE_CONFIG_1), ("decode", da.DECODE_CONFIG),
            ("decode w8", replace(da.DECODE_CONFIG, num_warps=8)))
@@ -28,14 +29,8 @@ CONFIGS = (("pick", None), ("batch 1", da.DECODE_CONFIG_1), ("decode", da.DECODE
 
 def graph_table(device: torch.device) -> None:
     for kind in ("csa", "hca"):
-        ring_rows, table_rows, k = da.V4_SHAPES[kind]
         for b in (1, 8):
-            key_bytes = b * (ring_rows + (k or table_rows)) * 512 * 2
-            copies = max(1, min(256, cdiv(192 << 20, key_bytes)))
-            inp = da.random_inputs(b, ring_rows=ring_rows, table_rows=table_rows, k=k, kind=kind,
-                                   slots=b * copies, device=device, seed=b)
-            slots = [torch.arange(i * b, (i + 1) * b, device=device) for i in range(copies)]
-            args = {n: v for n, v in inp.items() if n != "slot"}
+            args, slots = da.replay_inputs(kind, b, device)
             rope = (torch.randint(0, 4096, (b,), device=device), rope_inv_freq(64, 10000.0, None).to(device))
             for name, cfg in CONFIGS:
                 plain = [lambda s=s, c=cfg, a=args: da.attend_triton(slot=s, **a, config=c) for s in slots]
@@ -46,7 +41,7 @@ def graph_table(device: torch.device) -> None:
                 us = [graph_us(f) for f in (plain, after, inside)]
                 print(f"{kind} B={b} {name:10s} attention {us[0]:6.2f} | + apply_rope {us[1]:6.2f} | RoPE in the "
                       f"combine {us[2]:6.2f} us", flush=True)
-            del inp, args
+            del args, slots
             torch.cuda.empty_cache()
 
 

@@ -19,8 +19,7 @@ import torch
 from moebox.config import CSA, SLIDING, ModelConfig
 from moebox.model.batch import DecodeBatch, FlatBatch, Segment
 from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
-from moebox.model.decode_attention import (attend, compress_step, index_select, store_keys, window_mask,
-                                           window_step)
+from moebox.model.decode_attention import attend, compress_step, index_select, store_keys, window_step
 from moebox.ops.attention import local_sink_attention, sink_attention, tf32_products
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
@@ -341,10 +340,8 @@ class Attention:
                                cache.index_keys, "index" if self.qat else None)
         if not attention_kernel_takes(kv, cache.window, cache.entries if self.compressor else None):
             return *window_step(self._keys(kv, pos), pos, slot, cache.window, cfg.sliding_window), valid
-        if self.qat:
-            return None, window_mask(self._keys(kv, pos), pos, slot, cache.window, cfg.sliding_window), valid
         return None, store_keys(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq, slot, cache.window,
-                                cfg.sliding_window), valid
+                                cfg.sliding_window, cfg.nope_head_dim if self.qat else None), valid
 
     def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
                        cache: LayerCache) -> torch.Tensor:

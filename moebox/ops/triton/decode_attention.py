@@ -93,7 +93,7 @@ from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdi
                                        pdl_args, pdl_start, plain_tensor, rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
-           "attend_decode", "random_inputs", "sass_report", "bench", "sweep"]
+           "attend_decode", "random_inputs", "replay_inputs", "sass_report", "bench", "sweep"]
 
 
 @dataclass(frozen=True)
@@ -578,6 +578,24 @@ V4_SHAPES = {   # kind -> (ring rows, table rows, k): V4-Flash, window 128 + 2 s
 }
 
 
+def replay_inputs(kind: str, b: int, device: torch.device, l2_miss_bytes: int = 192 << 20,
+                  max_copies: int = 256) -> tuple[dict, list[torch.Tensor]]:
+    """What a CUDA-graph replay bench of `kind` at batch b calls the attention on: (the arguments of
+    `attend_triton` but `slot`, every key visible; the slots of `copies` back-to-back calls, enough that their
+    keys (>= l2_miss_bytes in all, up to max_copies calls) come from DRAM as consecutive layers' would)."""
+    ring_rows, table_rows, k = V4_SHAPES[kind]
+    kb = b * (ring_rows + (0 if kind == "sliding" else k or table_rows)) * 512 * 2
+    copies = max(1, min(max_copies, cdiv(l2_miss_bytes, kb)))
+    inp = random_inputs(b, ring_rows=ring_rows, table_rows=max(table_rows, 1), k=k, kind=kind, slots=b * copies,
+                        device=device, seed=b)
+    for name in ("window_visible", "valid"):
+        if inp.get(name) is not None:
+            inp[name].fill_(True)
+    assert key_bytes(inp) == kb
+    return ({n: v for n, v in inp.items() if n != "slot"},
+            [torch.arange(i * b, (i + 1) * b, device=device) for i in range(copies)])
+
+
 def key_bytes(inp: dict) -> int:
     """Bytes of key rows a call reads (every window row and selected/all entry row, masked or not)."""
     b = inp["q"].shape[0]
@@ -603,18 +621,9 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
               f"{'kind':8s} {'B':>3s} {'config':16s} {'key MB':>7s} {'copies':>6s} | {'fused us':>8s} {'GB/s':>6s} | "
               f"{'torch us':>8s} {'GB/s':>6s} | {'speedup':>7s} rel err", flush=True)
     for kind in kinds:
-        ring_rows, table_rows, k = V4_SHAPES[kind]
         for b in batches:
-            kb = b * (ring_rows + (0 if kind == "sliding" else k or table_rows)) * 512 * 2
-            copies = max(1, min(max_copies, cdiv(l2_miss_bytes, kb)))
-            inp = random_inputs(b, ring_rows=ring_rows, table_rows=max(table_rows, 1), k=k, kind=kind,
-                                slots=b * copies, device=device, seed=b)
-            for name in ("window_visible", "valid"):
-                if inp.get(name) is not None:
-                    inp[name].fill_(True)
-            slots = [torch.arange(i * b, (i + 1) * b, device=device) for i in range(copies)]
-            args = {n: v for n, v in inp.items() if n != "slot"}
-            assert key_bytes(inp) == kb
+            args, slots = replay_inputs(kind, b, device, l2_miss_bytes, max_copies)
+            kb, copies = key_bytes(dict(args, slot=slots[0])), len(slots)
             ref = attend_reference(slot=slots[0], **args).float()
             if torch_ref:
                 def torch_call(s, a=args):
@@ -629,7 +638,7 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
             else:
                 us_ref = float("nan")
             for cname, cfg in configs:
-                outs = [torch.empty_like(inp["q"]) for _ in range(min(copies, 4))]
+                outs = [torch.empty_like(args["q"]) for _ in range(min(copies, 4))]
                 got = attend_triton(slot=slots[0], **args, config=cfg, out=outs[0])
                 err = rel_err(got, ref)
                 fns = [lambda s=s, o=outs[i % len(outs)], a=args, c=cfg: attend_triton(slot=s, **a, config=c, out=o)
@@ -641,7 +650,7 @@ def bench(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 1
                 if not quiet:
                     print(f"{kind:8s} {b:3d} {cname:16s} {kb / 1e6:7.2f} {copies:6d} | {us:8.2f} {row['GB_s']:6.0f} | "
                           f"{us_ref:8.2f} {row['torch_GB_s']:6.0f} | {us_ref / us:6.1f}x {err:.1e}", flush=True)
-            del inp, args, slots
+            del args, slots
             torch.cuda.empty_cache()
     return rows_out
 

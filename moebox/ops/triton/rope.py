@@ -133,6 +133,16 @@ def _block(h: int, d: int) -> tuple[int, int]:
     return d_pad, min(next_pow2(h), max(1, TILE // d_pad))
 
 
+def _no_fma() -> dict:
+    """Every launch here: FMA contraction off (the roundings of the torch path; the interpreter takes no such
+    option)."""
+    return {} if interpreting() else {"enable_fp_fusion": False}
+
+
+def _inv(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return inv_freq.to(device=device, dtype=torch.float32).contiguous()
+
+
 def _positions(positions: torch.Tensor, n: int) -> torch.Tensor:
     if positions.shape != (n,):
         raise ValueError(f"positions must be [{n}], got {tuple(positions.shape)}")
@@ -160,18 +170,17 @@ def query_rope_triton(q: torch.Tensor, qi: torch.Tensor | None, positions: torch
         qio = torch.empty(qi.shape, dtype=qi.dtype, device=qi.device)
     if n == 0:
         return qo, qio
-    inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    inv_freq = _inv(inv_freq, q.device)
     dq_pad, bhq = _block(hq, dq)
     nqb = cdiv(hq, bhq)
     hi, di = (qi.shape[1], qi.shape[2]) if qi is not None else (0, rd)
     di_pad, bhi = _block(max(hi, 1), di)
     ii = qi if qi is not None else q     # stands in for the absent qi (never read)
-    fusion = {} if interpreting() else {"enable_fp_fusion": False}
     _query_rope_kernel[(n, nqb + cdiv(hi, bhi))](
         q, qo, q if weight is None else weight, ii, qio if qio is not None else qo, positions,
         inv_freq, hq, hi, nqb, q.stride(0), q.stride(1), ii.stride(0), ii.stride(1), eps, DQ=dq, DQ_PAD=dq_pad,
         BHQ=bhq, DI=di, DI_PAD=di_pad, BHI=bhi, RD=rd, RD_PAD=next_pow2(rd), HAS_WEIGHT=weight is not None,
-        HAS_QI=qi is not None, PRECISE=q.is_cuda, num_warps=4, **fusion, **pdl_args(q))
+        HAS_QI=qi is not None, PRECISE=q.is_cuda, num_warps=4, **_no_fma(), **pdl_args(q))
     return qo, qio
 
 
@@ -189,11 +198,9 @@ def inverse_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     if n == 0:
         return y
     d_pad, bh = _block(h, d)
-    fusion = {} if interpreting() else {"enable_fp_fusion": False}
     _inverse_rope_kernel[(n, cdiv(h, bh))](
-        x, y, positions, inv_freq.to(device=x.device, dtype=torch.float32).contiguous(), h, x.stride(0),
-        x.stride(1), D=d, D_PAD=d_pad, BH=bh, RD=rd, RD_PAD=next_pow2(rd), PRECISE=x.is_cuda, num_warps=4,
-        **fusion, **pdl_args(x))
+        x, y, positions, _inv(inv_freq, x.device), h, x.stride(0), x.stride(1), D=d, D_PAD=d_pad, BH=bh, RD=rd,
+        RD_PAD=next_pow2(rd), PRECISE=x.is_cuda, num_warps=4, **_no_fma(), **pdl_args(x))
     return y
 
 
@@ -220,10 +227,9 @@ def store_keys_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, positi
     visible = torch.empty((b, r), dtype=torch.bool, device=kv.device)
     if b == 0:
         return visible
-    fusion = {} if interpreting() else {"enable_fp_fusion": False}
     _store_keys_kernel[(b,)](
-        kv, weight, inv_freq.to(device=kv.device, dtype=torch.float32).contiguous(), positions,
+        kv, weight, _inv(inv_freq, kv.device), positions,
         slots.contiguous(), ring, visible.view(torch.uint8), kv.stride(0), ring.stride(0), ring.stride(1), r,
         int(window), eps, D=d, D_PAD=next_pow2(d), RD=rd, RD_PAD=next_pow2(rd), R_PAD=next_pow2(r),
-        PRECISE=kv.is_cuda, num_warps=4, **fusion, **pdl_args(kv))
+        PRECISE=kv.is_cuda, num_warps=4, **_no_fma(), **pdl_args(kv))
     return visible

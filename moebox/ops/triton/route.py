@@ -109,11 +109,24 @@ if HAVE_TRITON:
                        HAS_BIAS, NORM, ".cg")
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _routable(experts: int, scoring_func: str, top_k: int) -> bool:
+    return HAVE_TRITON and scoring_func in SCORINGS and 1 <= top_k <= experts <= MAX_EXPERTS
+
+
+def _routing_constants(experts: int, bias: torch.Tensor | None, top_k: int, scoring_func: str,
+                       norm_topk_prob: bool) -> dict:
+    """The routing's constexprs (`_route_row`), as both kernels take them."""
+    return dict(K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(experts), SCORING=SCORINGS[scoring_func],
+                HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob))
+
+
 def supported(logits: torch.Tensor, scoring_func: str, top_k: int) -> bool:
     """Whether `route_triton` takes these logits [N, E] (fp32/bf16/fp16, unit column stride)."""
-    return (HAVE_TRITON and logits.dim() == 2 and logits.stride(1) == 1 and scoring_func in SCORINGS
-            and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and 1 <= top_k <= logits.shape[1] <= MAX_EXPERTS)
+    return (logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype in _FLOATS
+            and _routable(logits.shape[1], scoring_func, top_k))
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int, scoring_func: str,
@@ -129,8 +142,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int,
     if n:
         _route_kernel[(n,)](
             logits, logits if bias is None else bias, ids, w, e, logits.stride(0), float(scaling),
-            K=top_k, K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(e), SCORING=SCORINGS[scoring_func],
-            HAS_BIAS=bias is not None, NORM=bool(norm_topk_prob), num_warps=1 if e <= 1024 else 4,
+            **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), num_warps=1 if e <= 1024 else 4,
             **pdl_args(logits))
     return ids, w
 
@@ -143,11 +155,9 @@ _counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and 
 def router_supported(x: torch.Tensor, gate: torch.Tensor, scoring_func: str, top_k: int) -> bool:
     """Whether `router_route_triton` takes x [N <= 16, H] and the gate weight [E, H] (float dtypes, unit column
     stride, E a multiple of ROUTER_ROWS)."""
-    floats = (torch.bfloat16, torch.float16, torch.float32)
-    return (HAVE_TRITON and x.dim() == 2 and gate.dim() == 2 and x.shape[1] == gate.shape[1]
-            and x.dtype in floats and gate.dtype in floats and x.stride(1) == 1
-            and gate.stride(1) == 1 and x.shape[0] <= ROUTER_MAX_TOKENS and scoring_func in SCORINGS
-            and gate.shape[0] % ROUTER_ROWS == 0 and 1 <= top_k <= gate.shape[0] <= MAX_EXPERTS)
+    return (x.dim() == 2 and gate.dim() == 2 and x.shape[1] == gate.shape[1] and x.dtype in _FLOATS
+            and gate.dtype in _FLOATS and x.stride(1) == 1 and gate.stride(1) == 1 and x.shape[0] <= ROUTER_MAX_TOKENS
+            and gate.shape[0] % ROUTER_ROWS == 0 and _routable(gate.shape[0], scoring_func, top_k))
 
 
 def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, *, top_k: int,
@@ -173,7 +183,6 @@ def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     logits = torch.empty((n, e), dtype=torch.float32, device=x.device)
     _router_route_kernel[(e // ROUTER_ROWS, n)](
         x, gate, gate if bias is None else bias, logits, _counters[key], ids, w, e, h, x.stride(0),
-        gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096), K=top_k,
-        K_PAD=next_pow2(top_k), BLOCK_E=next_pow2(e), SCORING=SCORINGS[scoring_func], HAS_BIAS=bias is not None,
-        NORM=bool(norm_topk_prob), num_warps=4, **pdl_args(x))
+        gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096),
+        **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), num_warps=4, **pdl_args(x))
     return ids, w
