@@ -12,13 +12,14 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context)
-#   bash bench/gpu_session.sh probetests # the GPU tests of the experimental MOEBOX_SIDE_PRIORITY,
-#                                       # MOEBOX_KEYS_KERNEL, MOEBOX_EARLY_FORK and MOEBOX_ROUTER_KERNEL
-#   bash bench/gpu_session.sh probes    # decode at 4K (AB_BATCH, default 1 8 16) with each of those four and all
-#                                       # of them against the default, twice
+#   bash bench/gpu_session.sh probetests # the GPU tests of the side streams' priority, the key store and router
+#                                       # kernels, the early fork (MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL,
+#                                       # MOEBOX_ROUTER_KERNEL, MOEBOX_EARLY_FORK)
+#   bash bench/gpu_session.sh probes    # decode at 4K (AB_BATCH, default 1 8 16) with each of those four off and
+#                                       # all of them off against the default, twice (ROUNDS="1 2")
 #   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1: its
 #                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on,
-#                                       # and with the key-branch switches; the key-branch wait in each
+#                                       # and with the key-branch switches off; the key-branch wait in each
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
 #                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
 #   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
@@ -94,16 +95,16 @@ topk)
 attnsweep)
     step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch 8 16 --kind csa hca --no-torch --sweep
     ;;
-probetests)                   # the GPU tests of the twentieth session's experimental switches (~3 min)
+probetests)                   # the GPU tests of the twentieth session's four switches (~2 min)
     step new-kernel-tests timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
         tests/test_triton_rope.py tests/test_streams.py tests/test_triton_route.py tests/test_triton_pdl.py \
         tests/test_cuda.py -k "not test_cuda or decode_graphs_replay"
     ;;
-probes)                       # the twentieth session's experimental switches, one call: the decode bench with
-    # each and all four, alternating with the default twice
-    for round in 1 2; do
-        for switch in default MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 MOEBOX_EARLY_FORK=1 MOEBOX_ROUTER_KERNEL=1 \
-            MOEBOX_SIDE_PRIORITY=1,MOEBOX_KEYS_KERNEL=1,MOEBOX_EARLY_FORK=1,MOEBOX_ROUTER_KERNEL=1; do
+probes)                       # the twentieth session's four switches, one call: the decode bench with each and all
+    # four off, alternating with the default
+    for round in ${ROUNDS:-1 2}; do
+        for switch in default MOEBOX_SIDE_PRIORITY=0 MOEBOX_KEYS_KERNEL=0 MOEBOX_EARLY_FORK=0 MOEBOX_ROUTER_KERNEL=0 \
+            MOEBOX_SIDE_PRIORITY=0,MOEBOX_KEYS_KERNEL=0,MOEBOX_EARLY_FORK=0,MOEBOX_ROUTER_KERNEL=0; do
             envs=""; [ "$switch" != default ] && envs=${switch//,/ }
             # shellcheck disable=SC2086  # envs holds several assignments
             step "decode-$switch-$round" env $envs python3 -m moebox.bench.decode decode --context 4096 \
@@ -114,7 +115,7 @@ probes)                       # the twentieth session's experimental switches, o
     ;;
 ropeprobe)                    # why the inverse RoPE in the attention's combine (MOEBOX_ATTENTION_ROPE=1) loses
     # 0.32 ms at batch 1 while its kernels gain ~2 us a layer: the kernels alone, then batch-1 timelines (and one
-    # with the three key-branch switches on), with the main stream's wait for the key branch in each
+    # with the three key-branch switches off), with the main stream's wait for the key branch in each
     step rope-combine-probe python3 -m bench.rope_combine_probe
     for rope in 0 1; do
         for pdl in 0 1; do
@@ -123,8 +124,8 @@ ropeprobe)                    # why the inverse RoPE in the attention's combine 
                 --timeline "$out/timeline-rope$rope-pdl$pdl.tsv"
         done
     done
-    step timeline-keys env MOEBOX_EARLY_FORK=1 MOEBOX_SIDE_PRIORITY=1 MOEBOX_KEYS_KERNEL=1 python3 -m \
-        moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-keys.tsv"
+    step timeline-keys0 env MOEBOX_EARLY_FORK=0 MOEBOX_SIDE_PRIORITY=0 MOEBOX_KEYS_KERNEL=0 python3 -m \
+        moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-keys0.tsv"
     python3 -m bench.timeline_waits "$out"/timeline-*.tsv | tee -a "$out/summary.txt"
     ;;
 index)

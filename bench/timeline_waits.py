@@ -7,12 +7,17 @@ query RoPE to the start of that next kernel at 12.4 us a CSA layer and 7.7 us in
 layer kind and in total for each file, so that the key-branch switches (MOEBOX_EARLY_FORK, MOEBOX_SIDE_PRIORITY,
 MOEBOX_KEYS_KERNEL) can be judged on where they act, beside the step time.
 
+It also prints the median time from each attention combine's start to the end of the second product after it on
+its stream (the output projections wo_a and wo_b): the twenty-first session found the batch-1 loss of the
+inverse RoPE in the combine (MOEBOX_ATTENTION_ROPE=1) there, and only with PDL.
+
     python -m bench.timeline_waits runs/gpu/timeline-*.tsv
 """
 
 from __future__ import annotations
 
 import csv
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 QUERY_ROPE = "_query_rope_kernel"
 CSA_NEXT = "_index_scores_kernel"                   # the indexer reads the new index keys
 ATTENTION = "attend"                                # the fused kernel, or the compiled torch path
+COMBINE = "_combine_kernel"                         # the decode attention's last kernel
+PRODUCT = "_fp8_gemv_kernel"
 
 
 @dataclass
@@ -47,10 +54,27 @@ def key_branch_waits(rows: Sequence[dict]) -> Waits:
     return waits
 
 
+def output_spans(rows: Sequence[dict], products: int = 2) -> list[float]:
+    """Per attention combine: us from its start to the end of the `products`-th FP8 product after it on the
+    same stream (combines without that many are left out)."""
+    rows = sorted(rows, key=lambda r: float(r["start_us"]))
+    spans = []
+    for i, r in enumerate(rows):
+        if COMBINE not in r["name"]:
+            continue
+        after = [x for x in rows[i + 1:] if PRODUCT in x["name"] and x["stream"] == r["stream"]][:products]
+        if len(after) == products:
+            spans.append(float(after[-1]["start_us"]) + float(after[-1]["dur_us"]) - float(r["start_us"]))
+    return spans
+
+
 def main(paths: Sequence[str]) -> None:
     for path in paths:
         with open(path) as f:
-            print(key_branch_waits(list(csv.DictReader(f, delimiter="\t"))).line(path))
+            rows = list(csv.DictReader(f, delimiter="\t"))
+        spans = output_spans(rows)
+        median = f"{statistics.median(spans):.1f} us" if spans else "none"
+        print(f"{key_branch_waits(rows).line(path)}; attention combine to its 2nd product's end: {median}")
 
 
 if __name__ == "__main__":

@@ -142,3 +142,13 @@ def test_timeline_waits_measure_the_gap_after_the_query_rope(tmp_path, capsys):
     path.write_text("start_us\tdur_us\tidle_us\tstream\tname\n" + "".join(f"{a}\t{b}\t0\t7\t{c}\n" for a, b, c in rows))
     main([str(path)])
     assert "CSA 1 layers, 12.0 us each; others 1 layers, 1.0 us each; 13 us" in capsys.readouterr().out
+
+
+def test_timeline_output_spans_follow_the_combine_on_its_stream():
+    """From each attention combine's start to the end of the second FP8 product after it on its own stream: the
+    other stream's product and a combine with one product after it do not count."""
+    from bench.timeline_waits import output_spans
+    rows = [("10", "4", "1", "_combine_kernel"), ("12", "3", "2", "_fp8_gemv_kernel"),
+            ("13", "5", "1", "_fp8_gemv_kernel"), ("15", "2", "1", "_inverse_rope_kernel"),
+            ("19", "6", "1", "_fp8_gemv_kernel"), ("40", "4", "1", "_combine_kernel"), ("45", "5", "1", "_fp8_gemv_kernel")]
+    assert output_spans([dict(start_us=a, dur_us=b, stream=c, name=d) for a, b, c, d in rows]) == [15.0]

@@ -61,20 +61,18 @@ def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path):
     assert diff <= 1e-3
 
 
-@pytest.mark.parametrize("overlap", ["1", "0", "experimental switches"])
+@pytest.mark.parametrize("overlap", ["1", "0", "switches off"])
 def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, overlap):
     """Captured decode steps (padded to the captured batch size, spare rows on the scratch slot) give the logits
     of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; with the side
-    streams (every Branch forks and joins inside the captured step) and without; with the experimental
-    switches (MOEBOX_EARLY_FORK, MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL, MOEBOX_ROUTER_KERNEL)."""
+    streams (every Branch forks and joins inside the captured step) and without; with the side streams' priority,
+    the early fork, the key store and router kernels off (they are on by default at these batch sizes)."""
     from moebox.model.batch import DecodeBatch
-    from moebox.ops import streams
     from moebox.runtime.graphs import DecodeGraphs
-    if overlap == "experimental switches":
+    if overlap == "switches off":
         overlap = "1"
         for switch in ("MOEBOX_EARLY_FORK", "MOEBOX_SIDE_PRIORITY", "MOEBOX_KEYS_KERNEL", "MOEBOX_ROUTER_KERNEL"):
-            monkeypatch.setenv(switch, "1")
-        monkeypatch.setattr(streams, "_side_streams", {})    # made again, with the priority
+            monkeypatch.setenv(switch, "0")
     monkeypatch.setenv("MOEBOX_OVERLAP", overlap)
     model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",
                           store_dir=tmp_path / "store", progress=False)

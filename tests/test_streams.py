@@ -90,14 +90,17 @@ def test_branch_is_off_on_the_cpu_and_when_disabled():
     assert not Branch(t.cuda(), "test", enabled=False).on
 
 
-def test_side_streams_outrank_the_main_stream_when_asked(monkeypatch):
-    """MOEBOX_SIDE_PRIORITY=1: a branch's kernels go ahead of the main stream's queued programs (see
-    moebox/ops/streams.py): its side stream has a higher priority (a lower number) than the default stream and
-    a graph capture's."""
+def test_side_streams_outrank_the_main_stream(monkeypatch):
+    """A one-token branch's kernels go ahead of the main stream's queued programs (see moebox/ops/streams.py):
+    its side stream has a higher priority (a lower number) than the default stream and a graph capture's; a
+    two-token branch's has the main stream's, and MOEBOX_SIDE_PRIORITY=0 / 1 makes it never / always higher."""
     from moebox.ops import streams
-    assert streams.side_priority() == 0                     # off by default
-    monkeypatch.setenv("MOEBOX_SIDE_PRIORITY", "1")
-    a = torch.ones(4, device="cuda")
+    assert [streams.side_priority(n) for n in (1, 2, 4, 8, 64)] == [-1, 0, 0, -1, -1]
+    for value, want in (("0", 0), ("1", -1)):
+        monkeypatch.setenv("MOEBOX_SIDE_PRIORITY", value)
+        assert streams.side_priority(1) == want and streams.side_priority(2) == want
+    monkeypatch.delenv("MOEBOX_SIDE_PRIORITY")
+    a = torch.ones(1, 4, device="cuda")
     with Branch(a, "test", purpose="test-priority") as branch:
         side = torch.cuda.current_stream().priority
     branch.join()

@@ -233,8 +233,8 @@ def test_key_store_kernel_in_triton_interpreter() -> None:
     check_in_interpreter(_KEYS_CHECK, default_tol=1e-5)
 
 
-def test_key_store_is_off_by_default_and_off_cuda() -> None:
-    """`store_keys` takes the torch path unless MOEBOX_KEYS_KERNEL=1 (and CUDA or the interpreter)."""
+def test_key_store_off_cuda_is_the_torch_path() -> None:
+    """Off CUDA (and outside the interpreter) `store_keys` takes the torch path: the reference's ring and mask."""
     from moebox.model.decode_attention import store_keys
     inp = keys_case(2, 24, 8, 8, torch.float32, torch.float32)
     ref_ring, ref_vis = keys_reference(inp)

@@ -8,15 +8,15 @@ two streams the small kernels of one run in the gaps of the other, and a CUDA gr
 branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain); `MOEBOX_OVERLAP=moe` (or
 `attention`, `mhc`, `pack`, or a comma list) only the branches of those names.
 
-With `MOEBOX_SIDE_PRIORITY=1` (experimental, off) side streams have a higher priority than the main stream, and a
+Side streams have a higher priority than the main stream (at the token counts `side_priority` names), and a
 CUDA graph keeps it: stream capture copies a stream's priority into its kernel nodes, and torch instantiates graphs
 with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth session's timeline,
 H200, PDL on) attention's key branch started its first product 13 us after the fork, as the main stream's wq_b
 product (20 us) began its last programs, and the main stream then waited for the branch 12 us a CSA layer and 8 us
 in the others (~0.43 ms a step); the shared expert's last product also started as the routed experts' down kernel
 ended, after it. The block scheduler seems to hand free SM slots to the earlier-launched kernel's queued programs
-first; with priority a branch's programs should get them. Not yet measured (`bash bench/gpu_session.sh probes`).
-The switch is read when a side stream is first made (once a process).
+first; with priority a branch's programs get them.
+The switch is read as a branch picks its side stream (one stream per device, purpose and priority).
 
 The tensors the branch reads from the main stream are passed as `reads`: the branch holds them until `join`.
 The caching allocator hands a freed block to the next allocation on the stream that allocated it, so a tensor
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-_side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, str, int], torch.cuda.Stream] = {}
 
 
 def _switched_on(t: torch.Tensor, name: str) -> bool:
@@ -42,17 +42,21 @@ def _switched_on(t: torch.Tensor, name: str) -> bool:
     return t.is_cuda and (value == "1" or name in value.split(","))
 
 
-def side_priority() -> int:
-    """The priority side streams get: the default 0, as the main stream's, or -1 (lower numbers come first) with
-    MOEBOX_SIDE_PRIORITY=1."""
-    return -1 if os.environ.get("MOEBOX_SIDE_PRIORITY", "0") == "1" else 0
+def side_priority(tokens: int) -> int:
+    """The priority of a branch's side stream for a step of `tokens` rows: -1 (lower numbers come first) at one
+    token and from 8, else the main stream's 0; MOEBOX_SIDE_PRIORITY=1 / 0: always / never -1. Why not always: on
+    the H200 (V4-Flash, 4K context) it gained 0.15-0.28 ms a step at batch 1 and 0.43 at 16, tied at 8, and
+    lost 0.35 at batch 2 and 0.07 at 3 and 4 (not understood)."""
+    value = os.environ.get("MOEBOX_SIDE_PRIORITY")
+    on = (tokens == 1 or tokens >= 8) if value is None else value != "0"
+    return -1 if on else 0
 
 
-def _side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, purpose: str, priority: int) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, purpose) not in _side_streams:
-        _side_streams[index, purpose] = torch.cuda.Stream(index, priority=side_priority())
-    return _side_streams[index, purpose]
+    if (index, purpose, priority) not in _side_streams:
+        _side_streams[index, purpose, priority] = torch.cuda.Stream(index, priority=priority)
+    return _side_streams[index, purpose, priority]
 
 
 class Branch:
@@ -69,7 +73,7 @@ class Branch:
         self._reads = reads if self.on else ()
         if self.on:
             self.main = torch.cuda.current_stream(t.device)
-            self.side = _side_stream(t.device, purpose)
+            self.side = _side_stream(t.device, purpose, side_priority(t.shape[0]))
 
     def __enter__(self) -> Branch:
         if self.on:

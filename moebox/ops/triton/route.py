@@ -167,7 +167,7 @@ def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     one set per device and E / ROUTER_ROWS, never reset: it only grows, by E / ROUTER_ROWS a call, so it is a
     multiple of that between calls and a CUDA graph replays it; calls must not run at the same time on two
     streams). Why: at decode the routing kernel is one more
-    dependent launch on the main stream of every MoE layer. Experimental (MOEBOX_ROUTER_KERNEL=1)."""
+    dependent launch on the main stream of every MoE layer (the model takes it up to `ROUTER_KERNEL_TOKENS`)."""
     if not router_supported(x, gate, scoring_func, top_k):
         raise ValueError(f"router_route_triton takes float x [N <= {ROUTER_MAX_TOKENS}, H] and gate [E, H], "
                          f"E a multiple of {ROUTER_ROWS}, scoring {sorted(SCORINGS)}; got x {tuple(x.shape)} "
