@@ -11,15 +11,18 @@
 #   bash bench/gpu_session.sh ab        # the decode bench at batch 1 and 16 with each switch of the fast path off,
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
-#                                       # and AB_CONTEXT change the batch sizes and the context)
+#                                       # and AB_CONTEXT change the batch sizes and the context; `default`: no
+#                                       # switch)
 #   bash bench/gpu_session.sh probetests # the GPU tests of the side streams' priority, the key store and router
 #                                       # kernels, the early fork (MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL,
 #                                       # MOEBOX_ROUTER_KERNEL, MOEBOX_EARLY_FORK)
 #   bash bench/gpu_session.sh probes    # decode at 4K (AB_BATCH, default 1 8 16) with each of those four off and
 #                                       # all of them off against the default, twice (ROUNDS="1 2")
-#   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1: its
-#                                       # kernels alone, then batch-1 timelines with it off / on, PDL off / on,
-#                                       # and with the key-branch switches off; the key-branch wait in each
+#   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1 with
+#                                       # PDL: the attention -> output products chain alone, decode at batch 1-16
+#                                       # with it and with MOEBOX_COMBINE_HOLD=1, batch-1 timelines of both
+#   bash bench/gpu_session.sh priorityprobe # decode at batch 1, 2 and 16 with the side-stream priority for one
+#                                       # branch at a time (MOEBOX_SIDE_PRIORITY=attention, mhc, moe, pack)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
 #                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
 #   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
@@ -45,7 +48,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -113,20 +116,33 @@ probes)                       # the twentieth session's four switches, one call:
         done
     done
     ;;
-ropeprobe)                    # why the inverse RoPE in the attention's combine (MOEBOX_ATTENTION_ROPE=1) loses
-    # 0.32 ms at batch 1 while its kernels gain ~2 us a layer: the kernels alone, then batch-1 timelines (and one
-    # with the three key-branch switches off), with the main stream's wait for the key branch in each
+ropeprobe)                    # the inverse RoPE in the attention's combine loses 0.4 ms at batch 1, with PDL only:
+    # the attention -> wo_a -> wo_b chain alone, then decode with it and with the dependent's launch held to the
+    # combine's end (MOEBOX_COMBINE_HOLD=1), and batch-1 timelines of both
     step rope-combine-probe python3 -m bench.rope_combine_probe
-    for rope in 0 1; do
-        for pdl in 0 1; do
-            step "timeline-rope$rope-pdl$pdl" env MOEBOX_ATTENTION_ROPE=$rope MOEBOX_PDL=$pdl python3 -m \
-                moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown \
-                --timeline "$out/timeline-rope$rope-pdl$pdl.tsv"
-        done
+    for switch in default MOEBOX_ATTENTION_ROPE=1 MOEBOX_ATTENTION_ROPE=1,MOEBOX_COMBINE_HOLD=1 \
+        MOEBOX_COMBINE_HOLD=1 default; do
+        envs=""; [ "$switch" != default ] && envs=${switch//,/ }
+        # shellcheck disable=SC2086  # envs holds several assignments
+        step "decode-$switch" env $envs python3 -m moebox.bench.decode decode --context 4096 \
+            --batch ${AB_BATCH:-1 2 4 8 16} --no-breakdown
+        decode_row "1 2 4 8 16" "$switch"
     done
-    step timeline-keys0 env MOEBOX_EARLY_FORK=0 MOEBOX_SIDE_PRIORITY=0 MOEBOX_KEYS_KERNEL=0 python3 -m \
-        moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-keys0.tsv"
+    for hold in 0 1; do
+        step "timeline-hold$hold" env MOEBOX_ATTENTION_ROPE=1 MOEBOX_COMBINE_HOLD=$hold python3 -m \
+            moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-hold$hold.tsv"
+    done
     python3 -m bench.timeline_waits "$out"/timeline-*.tsv | tee -a "$out/summary.txt"
+    ;;
+priorityprobe)                # which branch's priority gains at batch 1 and 16 and loses at batch 2
+    for switch in default MOEBOX_SIDE_PRIORITY=0 MOEBOX_SIDE_PRIORITY=attention MOEBOX_SIDE_PRIORITY=mhc \
+        MOEBOX_SIDE_PRIORITY=moe MOEBOX_SIDE_PRIORITY=pack default; do
+        envs=""; [ "$switch" != default ] && envs=$switch
+        # shellcheck disable=SC2086  # AB_BATCH holds several sizes
+        step "decode-$switch" env $envs python3 -m moebox.bench.decode decode --context 4096 \
+            --batch ${AB_BATCH:-1 2 16} --no-breakdown
+        decode_row "1 2 16" "$switch"
+    done
     ;;
 index)
     step index-bench python3 -m moebox.ops.triton.index_scores
@@ -168,9 +184,10 @@ decode4k)
     step decode4k python3 -m moebox.bench.decode decode --context 4096
     ;;
 ab)                           # AB="..." picks the switches (default: each part of the fast path off)
-    for switch in ${AB:-MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do
+    for switch in ${AB:-default MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do
+        envs=""; [ "$switch" != default ] && envs=${switch//,/ }
         # shellcheck disable=SC2086  # a switch may set several variables: A=1,B=1
-        step "decode-$switch" env ${switch//,/ } python3 -m moebox.bench.decode decode --context ${AB_CONTEXT:-4096} \
+        step "decode-$switch" env $envs python3 -m moebox.bench.decode decode --context ${AB_CONTEXT:-4096} \
             --batch ${AB_BATCH:-1 16} --no-breakdown
     done
     ;;

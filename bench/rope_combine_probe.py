@@ -1,71 +1,67 @@
 """Why does the inverse RoPE in the attention's combine lose at batch 1 when the kernels say it should win?
 
 At batch 4-16 a V4-Flash decode step gains from rotating the attention output back inside the combine kernel
-(one launch fewer a layer: batch 8 12.28 -> 12.13 ms on the H200), and the kernels agree at batch 1: CSA
-attention + combine + a separate inverse RoPE 15.91 us against 13.83 with the RoPE in the combine (HCA 14.01
-against 11.73). Yet the whole batch-1 step goes from 5.54 to 5.86 ms with it (~7 us a layer; twentieth
-session, docs/benchmarks.md). This times, per kind, batch (1, 8) and tiling, the attention call alone, with
-`apply_rope(inverse)` after it (what the model did), and with the RoPE in its combine, each as a CUDA-graph
-replay of calls on distinct slots (keys past L2, every key visible: `replay_inputs`, as the attention bench);
-then the kernels of one eager batch-1 call under the profiler. `bash bench/gpu_session.sh ropeprobe` runs it
-with the batch-1 step's timelines beside it.
+(one launch fewer a layer), and the attention kernels alone agree at batch 1 (CSA 15.88 us with a separate
+inverse RoPE against 13.83 with it in the combine). Yet the batch-1 step loses 0.4 ms with it, and only with PDL
+(5.06 -> 5.46 ms; without PDL 5.90 -> 5.84): in the step's timeline the two output products after the combine
+(wo_a, wo_b) end 9 us later a layer (twenty-first session, docs/benchmarks.md). A guess: the combine lets its
+dependent launch at its start, so wo_a's programs sit beside it. This times the chain attention -> wo_a (grouped
+FP8) -> wo_b (FP8) as CUDA-graph replays on distinct slots (keys past L2, every key visible: `replay_inputs`)
+with the inverse RoPE after the attention (the Triton kernel at batch 1-3), in its combine, and in its combine
+with the dependent's launch held to the combine's end (MOEBOX_COMBINE_HOLD=1); PDL on (the default) and off.
 
-    python -m bench.rope_combine_probe       # CUDA only
+    python -m bench.rope_combine_probe       # CUDA only; `bash bench/gpu_session.sh ropeprobe`
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import os
 
 import torch
 
-from moebox.ops.rope import apply_rope, rope_inv_freq
+from moebox.ops.linear import grouped_linear, linear
+from moebox.ops.rope import inverse_rope, rope_inv_freq
 from moebox.ops.triton import decode_attention as da
+from moebox.ops.triton.fp8_linear import random_fp8_weight
 from moebox.ops.triton.runtime import graph_us, versions
 
-CONFIGS = (("pick", None), ("batch 1", da.DECODE_CONFIG_1), ("decode", da.DECODE_CONFIG),
-           ("decode w8", replace(da.DECODE_CONFIG, num_warps=8)))
+HEADS, HEAD_DIM, GROUPS, O_RANK, HIDDEN = 64, 512, 8, 1024, 4096     # V4-Flash's attention output side
+VARIANTS = (("after", "0", False), ("in combine", "0", True), ("in combine, held", "1", True))
 
 
-def graph_table(device: torch.device) -> None:
-    for kind in ("csa", "hca"):
-        for b in (1, 8):
-            args, slots = da.replay_inputs(kind, b, device)
-            rope = (torch.randint(0, 4096, (b,), device=device), rope_inv_freq(64, 10000.0, None).to(device))
-            for name, cfg in CONFIGS:
-                plain = [lambda s=s, c=cfg, a=args: da.attend_triton(slot=s, **a, config=c) for s in slots]
-                after = [lambda s=s, c=cfg, a=args, r=rope: apply_rope(da.attend_triton(slot=s, **a, config=c), *r,
-                                                                       inverse=True) for s in slots]
-                inside = [lambda s=s, c=cfg, a=args, r=rope: da.attend_triton(slot=s, **a, config=c, rope=r)
-                          for s in slots]
-                us = [graph_us(f) for f in (plain, after, inside)]
-                print(f"{kind} B={b} {name:10s} attention {us[0]:6.2f} | + apply_rope {us[1]:6.2f} | RoPE in the "
-                      f"combine {us[2]:6.2f} us", flush=True)
-            del args, slots
-            torch.cuda.empty_cache()
+def chain_us(kind: str, b: int, device: torch.device) -> list[float]:
+    """us a call of the three variants' chains (`VARIANTS`) under the current MOEBOX_PDL."""
+    args, slots = da.replay_inputs(kind, b, device)
+    rope = (torch.randint(0, 4096, (b,), device=device), rope_inv_freq(64, 10000.0, None).to(device))
+    wo_a = random_fp8_weight(GROUPS * O_RANK, HEADS * HEAD_DIM // GROUPS, device, seed=1)
+    wo_b = random_fp8_weight(HIDDEN, GROUPS * O_RANK, device, seed=2)
+
+    def chain(slot: torch.Tensor, inside: bool) -> torch.Tensor:
+        out = da.attend_triton(slot=slot, **args, rope=rope) if inside else inverse_rope(
+            da.attend_triton(slot=slot, **args), *rope)
+        o = grouped_linear(out.reshape(b, GROUPS, -1), wo_a, GROUPS)
+        return linear(o.flatten(1), wo_b)
+
+    us = []
+    for _, hold, inside in VARIANTS:
+        os.environ["MOEBOX_COMBINE_HOLD"] = hold          # read as the graph is captured
+        us.append(graph_us([lambda s=s, i=inside: chain(s, i) for s in slots]))
+    os.environ.pop("MOEBOX_COMBINE_HOLD")
+    return us
 
 
-def profiled_kernels(device: torch.device, calls: int = 20) -> None:
-    from torch.profiler import ProfilerActivity, profile
-    ring_rows, table_rows, k = da.V4_SHAPES["csa"]
-    inp = da.random_inputs(1, ring_rows=ring_rows, table_rows=table_rows, k=k, kind="csa", device=device, seed=3)
-    rope = (torch.tensor([4000], device=device), rope_inv_freq(64, 10000.0, None).to(device))
-    for name, fn in (("after", lambda: apply_rope(da.attend_triton(**inp), *rope, inverse=True)),
-                     ("inside", lambda: da.attend_triton(**inp, rope=rope))):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" and e.count >= calls:
-                print(f"  {name:6s} {e.key[:60]:60s} {e.count:3d} x {e.device_time_total / e.count:6.2f} us")
+def main() -> None:
+    print(versions())
+    device = torch.device("cuda")
+    print("attention -> wo_a -> wo_b, us a call: " + " | ".join(name for name, _, _ in VARIANTS))
+    for pdl in ("1", "0"):
+        os.environ["MOEBOX_PDL"] = pdl
+        for kind in ("csa", "hca"):
+            for b in (1, 2, 8):
+                us = chain_us(kind, b, device)
+                print(f"PDL {pdl} {kind} B={b}: " + " | ".join(f"{u:6.2f}" for u in us), flush=True)
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    print(versions())
-    graph_table(torch.device("cuda"))
-    print("CSA batch 1, one eager call's kernels (profiler):")
-    profiled_kernels(torch.device("cuda"))
+    main()

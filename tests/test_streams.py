@@ -93,12 +93,15 @@ def test_branch_is_off_on_the_cpu_and_when_disabled():
 def test_side_streams_outrank_the_main_stream(monkeypatch):
     """A one-token branch's kernels go ahead of the main stream's queued programs (see moebox/ops/streams.py):
     its side stream has a higher priority (a lower number) than the default stream and a graph capture's; a
-    two-token branch's has the main stream's, and MOEBOX_SIDE_PRIORITY=0 / 1 makes it never / always higher."""
+    two-token branch's has the main stream's, and MOEBOX_SIDE_PRIORITY=0 / 1 / a list of names makes it never /
+    always / for those branches higher."""
     from moebox.ops import streams
     assert [streams.side_priority(n) for n in (1, 2, 4, 8, 64)] == [-1, 0, 0, -1, -1]
     for value, want in (("0", 0), ("1", -1)):
         monkeypatch.setenv("MOEBOX_SIDE_PRIORITY", value)
         assert streams.side_priority(1) == want and streams.side_priority(2) == want
+    monkeypatch.setenv("MOEBOX_SIDE_PRIORITY", "attention,mhc")
+    assert [streams.side_priority(2, name) for name in ("attention", "mhc", "moe", "pack")] == [-1, -1, 0, 0]
     monkeypatch.delenv("MOEBOX_SIDE_PRIORITY")
     a = torch.ones(1, 4, device="cuda")
     with Branch(a, "test", purpose="test-priority") as branch:

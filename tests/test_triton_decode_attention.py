@@ -348,14 +348,17 @@ def test_gpu_v4_flash_shape(kind: str, b: int) -> None:
     _check(_v4(kind, b, seed=b))
 
 
+@pytest.mark.parametrize("hold", ["0", "1"])
 @pytest.mark.parametrize("b", [1, 8, 16])
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_inverse_rope_in_the_combine(b: int) -> None:
+def test_gpu_inverse_rope_in_the_combine(b: int, hold: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """MOEBOX_ATTENTION_ROPE's path at the V4-Flash shape (CSA, bf16, positions up to 64K): the kernel with
-    `rope` against apply_rope(inverse) of the fp32 reference, within one bf16 rounding."""
+    `rope` against apply_rope(inverse) of the fp32 reference, within one bf16 rounding; with the combine's
+    PDL trigger at its start and held to its end (MOEBOX_COMBINE_HOLD)."""
     from moebox.ops.rope import apply_rope, rope_inv_freq
     from moebox.ops.triton.decode_attention import attend_triton
+    monkeypatch.setenv("MOEBOX_COMBINE_HOLD", hold)
     inp = _v4("csa", b, seed=40 + b)
     rope = (torch.randint(0, 65536, (b,), device="cuda"), rope_inv_freq(64, 10000.0, None).cuda())
     out = torch.full_like(inp["q"], float("nan"))

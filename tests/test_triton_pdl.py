@@ -104,16 +104,17 @@ def test_pdl_is_on_unless_switched_off_and_never_for_cpu_tensors(monkeypatch):
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_the_hopper_build_waits_before_its_first_load():
     """mHC's post kernel built for sm_90 (no GPU needed): with PDL the PTX waits on the grid dependency before its
-    first global load and then lets dependents launch; without PDL neither instruction is there."""
+    first global load and then lets dependents launch; with `PDL_HOLD` it waits and never lets them launch early
+    (they launch at its end); without PDL neither instruction is there."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from moebox.ops.triton import mhc
-    from moebox.ops.triton.runtime import triton
+    from moebox.ops.triton.runtime import PDL_HOLD, triton
 
     fn = mhc._post_kernel
     ptrs = ("o_ptr", "a_ptr", "X_ptr", "post_ptr", "comb_ptr", "y_ptr", "fn_ptr", "ws_ptr")
-    for pdl in (True, False):
+    for pdl in (True, PDL_HOLD, False):
         const = dict(HC=4, HC_PAD=4, M=24, M_PAD=32, W_PAD=64, BLOCK_H=1024, POST=True, ADD=False, PARTIALS=False,
                      PDL=pdl)
         sig = {a: "*bf16" if a in ("o_ptr", "a_ptr", "X_ptr", "y_ptr") else "*fp32" if a in ptrs else
@@ -122,8 +123,10 @@ def test_the_hopper_build_waits_before_its_first_load():
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
         first_load = re.search(r"\bld\.global", ptx).start()
-        if pdl:
+        if pdl is True:
             assert 0 <= wait < launch < first_load
+        elif pdl == PDL_HOLD:
+            assert 0 <= wait < first_load and launch < 0
         else:
             assert wait < 0 and launch < 0
 

@@ -42,13 +42,17 @@ def _switched_on(t: torch.Tensor, name: str) -> bool:
     return t.is_cuda and (value == "1" or name in value.split(","))
 
 
-def side_priority(tokens: int) -> int:
-    """The priority of a branch's side stream for a step of `tokens` rows: -1 (lower numbers come first) at one
-    token and from 8, else the main stream's 0; MOEBOX_SIDE_PRIORITY=1 / 0: always / never -1. Why not always: on
-    the H200 (V4-Flash, 4K context) it gained 0.15-0.28 ms a step at batch 1 and 0.43 at 16, tied at 8, and
-    lost 0.35 at batch 2 and 0.07 at 3 and 4 (not understood)."""
+def side_priority(tokens: int, name: str = "") -> int:
+    """The priority of the side stream of branch `name` for a step of `tokens` rows: -1 (lower numbers come
+    first) at one token and from 8, else the main stream's 0; MOEBOX_SIDE_PRIORITY=1 / 0: always / never -1, a
+    comma list of branch names: -1 for those (to find which branch gains or loses). Why not always: on the H200
+    (V4-Flash, 4K context) it gained 0.15-0.28 ms a step at batch 1 and 0.43 at 16, tied at 8, and lost 0.35 at
+    batch 2 and 0.07 at 3 and 4 (not understood)."""
     value = os.environ.get("MOEBOX_SIDE_PRIORITY")
-    on = (tokens == 1 or tokens >= 8) if value is None else value != "0"
+    if value is None:
+        on = tokens == 1 or tokens >= 8
+    else:
+        on = value == "1" or name in value.split(",")
     return -1 if on else 0
 
 
@@ -73,7 +77,7 @@ class Branch:
         self._reads = reads if self.on else ()
         if self.on:
             self.main = torch.cuda.current_stream(t.device)
-            self.side = _side_stream(t.device, purpose, side_priority(t.shape[0]))
+            self.side = _side_stream(t.device, purpose, side_priority(t.shape[0], name))
 
     def __enter__(self) -> Branch:
         if self.on:

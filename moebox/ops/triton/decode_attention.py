@@ -83,6 +83,7 @@ report per tiling, no GPU needed).
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -376,8 +377,12 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     -> [B, nh, d] in q's dtype (into `out` when given: contiguous on the last dim). `rope` = (positions [B],
     inv_freq [rd / 2] fp32, on q's device): the output's trailing rd columns rotated back as
     `apply_rope(out, positions, inv_freq, inverse=True)` does, in the combine kernel's store (with one split:
-    by `inverse_rope` after). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1; raises ValueError where
-    `supported` is False."""
+    by `inverse_rope` after). With MOEBOX_COMBINE_HOLD=1 (experimental, off; not yet measured) a combine that
+    rotates lets the kernel after it launch only at its end (`PDL_HOLD`): with the rotation in the combine a
+    batch-1 step lost 0.4 ms with PDL and gained 0.05 ms without it, the two output products after it slower by
+    2-6 us a layer (docs/benchmarks.md, twenty-first session), perhaps as their programs, launched at the
+    combine's start, waited beside it. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1; raises
+    ValueError where `supported` is False."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     if not supported(q, ring, slot, window_visible, sink, entries, rows, valid):
@@ -439,7 +444,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, _contig_last(pos), _contig_last(inv), out, nh, cfg.split, out.stride(0),
             out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=s_pad, RD=rd, UNROLL=s_pad <= cfg.combine_unroll, num_warps=4,
-            **pdl)
+            **pdl_args(q, hold=rd > 0 and os.environ.get("MOEBOX_COMBINE_HOLD") == "1"))
     elif rope is not None:
         from moebox.ops.rope import inverse_rope
         out.copy_(inverse_rope(out, rope[0], rope[1]))

@@ -64,10 +64,15 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return HAVE_TRITON and t.is_cuda and pdl_switched_on() and _properties(_index(t.device)).major >= 9
 
 
-def pdl_args(t: torch.Tensor) -> dict[str, bool]:
-    """The keywords of a kernel launch on t's device: the kernel's `PDL` flag (see `pdl_start`) and, when on,
-    Triton's `launch_pdl` (the interpreter takes no such keyword)."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
+PDL_HOLD = 2     # a kernel's PDL flag when it waits for the kernel before but lets the one after launch only at its end
+
+
+def pdl_args(t: torch.Tensor, hold: bool = False) -> dict[str, bool | int]:
+    """The keywords of a kernel launch on t's device: the kernel's `PDL` flag (see `pdl_start`; `PDL_HOLD` with
+    `hold`) and, when on, Triton's `launch_pdl` (the interpreter takes no such keyword)."""
+    if not pdl_enabled(t):
+        return {"PDL": False}
+    return {"PDL": PDL_HOLD if hold else True, "launch_pdl": True}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -243,10 +248,12 @@ if HAVE_TRITON:
     def pdl_start(PDL: tl.constexpr):
         """With PDL, wait until the kernel before has finished (its writes visible), then let the kernel after
         launch. A kernel's first statement, or the first after loads of constant inputs (weights), which may
-        overlap the kernel before: tests/test_triton_pdl.py lists the kernels that do (READ_BEFORE_WAIT)."""
+        overlap the kernel before: tests/test_triton_pdl.py lists the kernels that do (READ_BEFORE_WAIT). With
+        PDL == 2 (`PDL_HOLD`) the kernel after launches only when this one has ended."""
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if PDL != 2:
+                tl.extra.cuda.gdc_launch_dependents()
 else:
     pdl_start = device_exp = device_cos = device_sin = None
 
@@ -254,6 +261,6 @@ else:
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
            "num_sms", "interpreting", "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump",
            "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
-           "pdl_enabled", "pdl_args", "pdl_start", "device_exp",
+           "pdl_enabled", "pdl_args", "pdl_start", "PDL_HOLD", "device_exp",
            "device_cos", "device_sin"]
 
