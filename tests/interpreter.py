@@ -59,10 +59,13 @@ def tiny_model():
 def tiny_decode_logits(model, cfg, steps: int, cache_len: int = 64):
     """The tiny model's logits [steps, 2, vocab] over `steps` (<= 26) decode steps of two sequences (after
     prefilling 20 and 3 tokens) on a fresh cache: the run an interpreter script repeats with its kernel switched
-    on and off."""
+    on and off. The router and key store kernels, on by default, stay off unless the script sets their switches
+    (their own scripts do): run by the interpreter in every decode step they cost a script ~10 s."""
     import torch
 
     from moebox.model.batch import DecodeBatch, FlatBatch
+    for switch in ("MOEBOX_ROUTER_KERNEL", "MOEBOX_KEYS_KERNEL"):
+        os.environ.setdefault(switch, "0")
     ids = torch.randint(2, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = model.new_cache(3, cache_len, "cpu")
     model.forward(FlatBatch.build([(1, 0, ids[:20]), (2, 0, ids[30:33])], "cpu"), cache)

@@ -1,5 +1,6 @@
 """`Branch` on a GPU: work on the side stream is done before what follows `join` reads it, eagerly and replayed
-from a CUDA graph, and the main stream's work between fork and join does not wait for it."""
+from a CUDA graph, and the main stream's work between fork and join does not wait for it; the side streams'
+priority policy (on the CPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from moebox.ops.cuda_graphs import capture
 from moebox.ops.streams import Branch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -25,6 +26,8 @@ def _step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return y.sum(dim=1) + z
 
 
+@pytest.mark.gpu
+@needs_gpu
 def test_branch_result_is_complete_after_join_eager_and_in_a_graph(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(2048, 2048, device="cuda", generator=gen) / 45
@@ -45,6 +48,8 @@ def test_branch_result_is_complete_after_join_eager_and_in_a_graph(monkeypatch):
         torch.testing.assert_close(out, want)
 
 
+@pytest.mark.gpu
+@needs_gpu
 def test_a_branch_entered_again_goes_on_after_the_main_streams_work_since(monkeypatch):
     """The key branch's shape (moebox/model/attention.py): a first body that needs only the input, main-stream
     work, then a second body that reads what the main stream made in between; eager and replayed from a graph,
@@ -81,6 +86,8 @@ def test_a_branch_entered_again_goes_on_after_the_main_streams_work_since(monkey
         torch.testing.assert_close(out, want)
 
 
+@pytest.mark.gpu
+@needs_gpu
 def test_branch_is_off_on_the_cpu_and_when_disabled():
     t = torch.ones(3)
     with Branch(t, "test") as branch:
@@ -90,19 +97,25 @@ def test_branch_is_off_on_the_cpu_and_when_disabled():
     assert not Branch(t.cuda(), "test", enabled=False).on
 
 
-def test_side_streams_outrank_the_main_stream(monkeypatch):
-    """A one-token branch's kernels go ahead of the main stream's queued programs (see moebox/ops/streams.py):
-    its side stream has a higher priority (a lower number) than the default stream and a graph capture's; a
-    two-token branch's has the main stream's, and MOEBOX_SIDE_PRIORITY=0 / 1 / a list of names makes it never /
-    always / for those branches higher."""
+def test_side_priority_follows_the_measured_batch_sizes(monkeypatch):
+    """Side streams outrank the main one at 1 token and from 8 (where the H200 gained), not at 2-7 (batch 2
+    lost); MOEBOX_SIDE_PRIORITY=0 / 1 / a list of names: never / always / for those branches."""
     from moebox.ops import streams
-    assert [streams.side_priority(n) for n in (1, 2, 4, 8, 64)] == [-1, 0, 0, -1, -1]
+    monkeypatch.delenv("MOEBOX_SIDE_PRIORITY", raising=False)
+    assert [streams.side_priority(n) for n in (1, 2, 4, 7, 8, 64)] == [-1, 0, 0, 0, -1, -1]
     for value, want in (("0", 0), ("1", -1)):
         monkeypatch.setenv("MOEBOX_SIDE_PRIORITY", value)
         assert streams.side_priority(1) == want and streams.side_priority(2) == want
     monkeypatch.setenv("MOEBOX_SIDE_PRIORITY", "attention,mhc")
     assert [streams.side_priority(2, name) for name in ("attention", "mhc", "moe", "pack")] == [-1, -1, 0, 0]
-    monkeypatch.delenv("MOEBOX_SIDE_PRIORITY")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_side_streams_outrank_the_main_stream(monkeypatch):
+    """A one-token branch's kernels go ahead of the main stream's queued programs (see moebox/ops/streams.py):
+    its side stream has a higher priority (a lower number) than the default stream and a graph capture's."""
+    monkeypatch.delenv("MOEBOX_SIDE_PRIORITY", raising=False)
     a = torch.ones(1, 4, device="cuda")
     with Branch(a, "test", purpose="test-priority") as branch:
         side = torch.cuda.current_stream().priority

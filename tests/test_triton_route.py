@@ -127,6 +127,27 @@ def test_what_it_refuses():
                             scaling=1.0)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_the_model_fuses_the_router_up_to_8_tokens(monkeypatch):
+    """A scored MoE layer takes the one-launch router up to `ROUTER_KERNEL_TOKENS` (8) tokens, where the H200
+    gained, and not at 9-16 (batch 16 lost); MOEBOX_ROUTER_KERNEL=0 / 1: never / up to the kernel's 16. The
+    decision only (the interpreter flag lets CPU tensors pass the dispatch; no kernel runs here)."""
+    from moebox.ops.triton import route as kernel
+    from tests.interpreter import tiny_model
+    cfg, model = tiny_model()
+    moe = next(layer.ffn for layer in model.layers if layer.ffn.tid2eid is None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MOEBOX_ROUTER_KERNEL", raising=False)
+
+    def fused(n: int) -> bool:
+        return moe._fused_router_takes(torch.zeros(n, cfg.hidden_size), kernel)
+    assert [fused(n) for n in (1, 8, 9, 16)] == [True, True, False, False]
+    monkeypatch.setenv("MOEBOX_ROUTER_KERNEL", "1")
+    assert [fused(n) for n in (1, 16, 17)] == [True, True, False]
+    monkeypatch.setenv("MOEBOX_ROUTER_KERNEL", "0")
+    assert not fused(1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
