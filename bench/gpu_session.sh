@@ -61,6 +61,16 @@ decode_row() {                # decode_row SIZES NAME: the last decode bench's m
         | awk -F'|' -v s="$2" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
 }
 
+decode_switch() {             # decode_switch NAME SIZES SWITCH: the decode bench at AB_CONTEXT (4096) and SIZES (or
+                              # AB_BATCH) with SWITCH's variables (A=1,B=2; `default`: none), its row in the summary
+    local envs=""
+    [ "$3" != default ] && envs=${3//,/ }
+    # shellcheck disable=SC2086  # envs holds several assignments, the sizes several numbers
+    step "decode-$1" env $envs python3 -m moebox.bench.decode decode --context "${AB_CONTEXT:-4096}" \
+        --batch ${AB_BATCH:-$2} --no-breakdown
+    decode_row "$2" "$3"
+}
+
 step() {                      # step NAME CMD...: run, log everything, print a one-line result
     local name=$1 t0 rc
     shift
@@ -108,11 +118,7 @@ probes)                       # the twentieth session's four switches, one call:
     for round in ${ROUNDS:-1 2}; do
         for switch in default MOEBOX_SIDE_PRIORITY=0 MOEBOX_KEYS_KERNEL=0 MOEBOX_EARLY_FORK=0 MOEBOX_ROUTER_KERNEL=0 \
             MOEBOX_SIDE_PRIORITY=0,MOEBOX_KEYS_KERNEL=0,MOEBOX_EARLY_FORK=0,MOEBOX_ROUTER_KERNEL=0; do
-            envs=""; [ "$switch" != default ] && envs=${switch//,/ }
-            # shellcheck disable=SC2086  # envs holds several assignments
-            step "decode-$switch-$round" env $envs python3 -m moebox.bench.decode decode --context 4096 \
-                --batch ${AB_BATCH:-1 8 16} --no-breakdown
-            decode_row "1 8 16" "$switch"
+            decode_switch "$switch-$round" "1 8 16" "$switch"
         done
     done
     ;;
@@ -122,11 +128,7 @@ ropeprobe)                    # the inverse RoPE in the attention's combine lose
     step rope-combine-probe python3 -m bench.rope_combine_probe
     for switch in default MOEBOX_ATTENTION_ROPE=1 MOEBOX_ATTENTION_ROPE=1,MOEBOX_COMBINE_HOLD=1 \
         MOEBOX_COMBINE_HOLD=1 default; do
-        envs=""; [ "$switch" != default ] && envs=${switch//,/ }
-        # shellcheck disable=SC2086  # envs holds several assignments
-        step "decode-$switch" env $envs python3 -m moebox.bench.decode decode --context 4096 \
-            --batch ${AB_BATCH:-1 2 4 8 16} --no-breakdown
-        decode_row "1 2 4 8 16" "$switch"
+        decode_switch "$switch" "1 2 4 8 16" "$switch"
     done
     for hold in 0 1; do
         step "timeline-hold$hold" env MOEBOX_ATTENTION_ROPE=1 MOEBOX_COMBINE_HOLD=$hold python3 -m \
@@ -137,11 +139,7 @@ ropeprobe)                    # the inverse RoPE in the attention's combine lose
 priorityprobe)                # which branch's priority gains at batch 1 and 16 and loses at batch 2
     for switch in default MOEBOX_SIDE_PRIORITY=0 MOEBOX_SIDE_PRIORITY=attention MOEBOX_SIDE_PRIORITY=mhc \
         MOEBOX_SIDE_PRIORITY=moe MOEBOX_SIDE_PRIORITY=pack default; do
-        envs=""; [ "$switch" != default ] && envs=$switch
-        # shellcheck disable=SC2086  # AB_BATCH holds several sizes
-        step "decode-$switch" env $envs python3 -m moebox.bench.decode decode --context 4096 \
-            --batch ${AB_BATCH:-1 2 16} --no-breakdown
-        decode_row "1 2 16" "$switch"
+        decode_switch "$switch" "1 2 16" "$switch"
     done
     ;;
 index)
@@ -185,10 +183,7 @@ decode4k)
     ;;
 ab)                           # AB="..." picks the switches (default: each part of the fast path off)
     for switch in ${AB:-default MOEBOX_ATTENTION_KERNEL=0 MOEBOX_COMPRESS_KERNEL=0 MOEBOX_STACK_LINEARS=0}; do
-        envs=""; [ "$switch" != default ] && envs=${switch//,/ }
-        # shellcheck disable=SC2086  # a switch may set several variables: A=1,B=1
-        step "decode-$switch" env $envs python3 -m moebox.bench.decode decode --context ${AB_CONTEXT:-4096} \
-            --batch ${AB_BATCH:-1 16} --no-breakdown
+        decode_switch "$switch" "1 16" "$switch"
     done
     ;;
 versions)                     # the decode bench of a base tree (BASE_DIR) against this one, alternating in one call

@@ -19,7 +19,8 @@ import torch
 from moebox.config import CSA, SLIDING, ModelConfig
 from moebox.model.batch import DecodeBatch, FlatBatch, Segment
 from moebox.model.cache import LayerCache, as_stored, ring_read, ring_write
-from moebox.model.decode_attention import attend, compress_step, index_select, store_keys, window_step
+from moebox.model.decode_attention import (attend, compress_step, index_select, rope_keys, store_keys,
+                                           window_step)
 from moebox.ops.attention import local_sink_attention, sink_attention, tf32_products
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
@@ -199,10 +200,13 @@ class Attention:
         functions and kernels."""
         return self.pool_from_x(x) if self.pool_from_x is not None else []
 
+    def _qat_nope_dim(self) -> int | None:
+        """The no-RoPE width the keys are QAT-rounded over (None without QAT)."""
+        return self.cfg.nope_head_dim if self.qat else None
+
     def _keys(self, kv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The K=V rows of kv's product: normed and rotated (and QAT-rounded)."""
-        kv = norm_rope(kv, self.kv_norm, self.cfg.rms_norm_eps, pos, self.inv_freq)
-        return round_kv_nope(kv, self.cfg.nope_head_dim) if self.qat else kv
+        """The K=V rows of kv's product (`rope_keys`)."""
+        return rope_keys(kv, self.kv_norm, self.cfg.rms_norm_eps, pos, self.inv_freq, self._qat_nope_dim())
 
     # ------------------------------------------------------------------ B cache-free rows of T tokens (training)
     def _fresh(self, t: int, q: torch.Tensor, kv: torch.Tensor, comp, idx) -> torch.Tensor:
@@ -341,7 +345,7 @@ class Attention:
         if not attention_kernel_takes(kv, cache.window, cache.entries if self.compressor else None):
             return *window_step(self._keys(kv, pos), pos, slot, cache.window, cfg.sliding_window), valid
         return None, store_keys(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq, slot, cache.window,
-                                cfg.sliding_window, cfg.nope_head_dim if self.qat else None), valid
+                                cfg.sliding_window, self._qat_nope_dim()), valid
 
     def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
                        cache: LayerCache) -> torch.Tensor:
