@@ -18,9 +18,9 @@
 #                                       # MOEBOX_ROUTER_KERNEL, MOEBOX_EARLY_FORK)
 #   bash bench/gpu_session.sh probes    # decode at 4K (AB_BATCH, default 1 8 16) with each of those four off and
 #                                       # all of them off against the default, twice (ROUNDS="1 2")
-#   bash bench/gpu_session.sh ropeprobe # why the inverse RoPE in the attention's combine loses at batch 1 with
-#                                       # PDL: the attention -> output products chain alone, decode at batch 1-16
-#                                       # with it and with MOEBOX_COMBINE_HOLD=1, batch-1 timelines of both
+#   bash bench/gpu_session.sh ropeprobe # the inverse RoPE in the attention's combine: the attention -> output
+#                                       # products chain alone, decode at batch 1-16 with MOEBOX_COMBINE_HOLD=0,
+#                                       # MOEBOX_ATTENTION_ROPE=0 and =1, batch-1 timelines held and not
 #   bash bench/gpu_session.sh priorityprobe # decode at batch 1, 2 and 16 with the side-stream priority for one
 #                                       # branch at a time (MOEBOX_SIDE_PRIORITY=attention, mhc, moe, pack)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
@@ -122,12 +122,12 @@ probes)                       # the twentieth session's four switches, one call:
         done
     done
     ;;
-ropeprobe)                    # the inverse RoPE in the attention's combine loses 0.4 ms at batch 1, with PDL only:
-    # the attention -> wo_a -> wo_b chain alone, then decode with it and with the dependent's launch held to the
-    # combine's end (MOEBOX_COMBINE_HOLD=1), and batch-1 timelines of both
+ropeprobe)                    # the inverse RoPE in the attention's combine lost 0.4 ms at batch 1 with PDL unless
+    # the combine's dependent launches at its end: the attention -> wo_a -> wo_b chain alone, then decode with the
+    # dependent launched early (MOEBOX_COMBINE_HOLD=0), without and with the rotation at every batch size, and
+    # batch-1 timelines held and not
     step rope-combine-probe python3 -m bench.rope_combine_probe
-    for switch in default MOEBOX_ATTENTION_ROPE=1 MOEBOX_ATTENTION_ROPE=1,MOEBOX_COMBINE_HOLD=1 \
-        MOEBOX_COMBINE_HOLD=1 default; do
+    for switch in default MOEBOX_COMBINE_HOLD=0 MOEBOX_ATTENTION_ROPE=0 MOEBOX_ATTENTION_ROPE=1 default; do
         decode_switch "$switch" "1 2 4 8 16" "$switch"
     done
     for hold in 0 1; do

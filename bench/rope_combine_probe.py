@@ -9,6 +9,8 @@ dependent launch at its start, so wo_a's programs sit beside it. This times the 
 FP8) -> wo_b (FP8) as CUDA-graph replays on distinct slots (keys past L2, every key visible: `replay_inputs`)
 with the inverse RoPE after the attention (the Triton kernel at batch 1-3), in its combine, and in its combine
 with the dependent's launch held to the combine's end (MOEBOX_COMBINE_HOLD=1); PDL on (the default) and off.
+The guess held (twenty-second session, H200, PDL on, batch 1): CSA 42.99 / 43.92 / 35.59 us, HCA 37.67 / 40.86 /
+32.48; the held combine is now the default (`attend_triton`).
 
     python -m bench.rope_combine_probe       # CUDA only; `bash bench/gpu_session.sh ropeprobe`
 """

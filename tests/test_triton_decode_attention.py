@@ -137,6 +137,12 @@ def test_resolve_config() -> None:
     assert [pick_config(b, 64, 21).num_stages for b in (1, 16, 17, 2048)] == [2, 2, 3, 3]
 
 
+def test_the_inverse_rope_goes_in_the_combine_at_batch_1_and_from_4() -> None:
+    """The measured policy (`rope_in_combine`): batch 2 lost with the rotation in the combine, 1 and 4-16 did
+    not."""
+    assert [da.rope_in_combine(b) for b in (1, 2, 3, 4, 8, 16)] == [True, False, False, True, True, True]
+
+
 def test_bench_entry_point_parses() -> None:
     args = da._parse(["--batch", "1", "16", "--kind", "csa", "hca", "--no-torch"])
     assert args.batch == [1, 16] and args.kind == ["csa", "hca"] and args.no_torch and not args.sweep

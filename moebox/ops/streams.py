@@ -8,9 +8,9 @@ two streams the small kernels of one run in the gaps of the other, and a CUDA gr
 branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain); `MOEBOX_OVERLAP=moe` (or
 `attention`, `mhc`, `pack`, or a comma list) only the branches of those names.
 
-Side streams have a higher priority than the main stream (at the token counts `side_priority` names), and a
-CUDA graph keeps it: stream capture copies a stream's priority into its kernel nodes, and torch instantiates graphs
-with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth session's timeline,
+Side streams have a higher priority than the main stream (for the branches and token counts `side_priority`
+names), and a CUDA graph keeps it: stream capture copies a stream's priority into its kernel nodes, and torch
+instantiates graphs with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth session's timeline,
 H200, PDL on) attention's key branch started its first product 13 us after the fork, as the main stream's wq_b
 product (20 us) began its last programs, and the main stream then waited for the branch 12 us a CSA layer and 8 us
 in the others (~0.43 ms a step); the shared expert's last product also started as the routed experts' down kernel
@@ -44,13 +44,14 @@ def _switched_on(t: torch.Tensor, name: str) -> bool:
 
 def side_priority(tokens: int, name: str = "") -> int:
     """The priority of the side stream of branch `name` for a step of `tokens` rows: -1 (lower numbers come
-    first) at one token and from 8, else the main stream's 0; MOEBOX_SIDE_PRIORITY=1 / 0: always / never -1, a
-    comma list of branch names: -1 for those (to find which branch gains or loses). Why not always: on the H200
-    (V4-Flash, 4K context) it gained 0.15-0.28 ms a step at batch 1 and 0.43 at 16, tied at 8, and lost 0.35 at
-    batch 2 and 0.07 at 3 and 4 (not understood)."""
+    first) for every branch but the shared expert's ("moe") at 2-7 tokens, which keeps the main stream's 0;
+    MOEBOX_SIDE_PRIORITY=1 / 0: always / never -1, a comma list of branch names: -1 for those. Why: on the H200
+    (V4-Flash, 4K context, twenty-second session) each branch alone gained or tied at batch 1, 2 and 16 (attention
+    5.24 -> 5.16 ms at batch 1, 19.43 -> 19.02 at 16) except the shared expert's at batch 2 (6.75 -> 7.06: its
+    products then run beside the main stream's and slow them; not understood further)."""
     value = os.environ.get("MOEBOX_SIDE_PRIORITY")
     if value is None:
-        on = tokens == 1 or tokens >= 8
+        on = name != "moe" or tokens == 1 or tokens >= 8
     else:
         on = value == "1" or name in value.split(",")
     return -1 if on else 0

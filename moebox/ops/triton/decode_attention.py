@@ -39,7 +39,7 @@ Kernel 2, `_combine_kernel`, grid (B, head blocks, d blocks): M = max_s m_s (>= 
   unrolled over S_PAD with masks, instead of one split after the other; batch 1 (`DECODE_CONFIG_1`) takes it
   with 4-head x 64-column programs (128 where there were 16) and 8 warps in kernel 1: CSA 14.41 -> 13.54-13.62
   us, HCA 11.83-11.94 -> 11.60 on the H200 (twentieth session). With `rope` the combine also rotates the
-  output back (the model does so from `ROPE_IN_COMBINE_BATCH` sequences).
+  output back (the model does so where `rope_in_combine` says).
 
 The [nh, d] accumulator: with all 64 heads of a V4-Flash sequence in one program it is 64 x 512 fp32 = 128 KB,
 more than a program's registers can hold beside the q block (64 KB bf16) and a key tile: built for sm_90 it
@@ -128,9 +128,6 @@ DECODE_CONFIG_8 = replace(DECODE_CONFIG, waves=2.0, min_tiles=1)
 # batch 1: 8 warps a program; the combine's 11 splits loaded at once by 4-head x 64-column programs (the
 # nineteenth/twentieth sessions' batch-1 sweep)
 DECODE_CONFIG_1 = replace(DECODE_CONFIG, num_warps=8, combine_heads=4, combine_block_d=64, combine_unroll=32)
-# the inverse RoPE in the combine saves a launch, but at batch 1 it cost 0.32 ms a V4-Flash step on the H200
-# (5.54 -> 5.86; not understood), while batch 4 / 8 / 16 gained 0.03 / 0.16 / 0.24 ms (twentieth session)
-ROPE_IN_COMBINE_BATCH = 4
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -377,12 +374,12 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     -> [B, nh, d] in q's dtype (into `out` when given: contiguous on the last dim). `rope` = (positions [B],
     inv_freq [rd / 2] fp32, on q's device): the output's trailing rd columns rotated back as
     `apply_rope(out, positions, inv_freq, inverse=True)` does, in the combine kernel's store (with one split:
-    by `inverse_rope` after). With MOEBOX_COMBINE_HOLD=1 (experimental, off; not yet measured) a combine that
-    rotates lets the kernel after it launch only at its end (`PDL_HOLD`): with the rotation in the combine a
-    batch-1 step lost 0.4 ms with PDL and gained 0.05 ms without it, the two output products after it slower by
-    2-6 us a layer (docs/benchmarks.md, twenty-first session), perhaps as their programs, launched at the
-    combine's start, waited beside it. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1; raises
-    ValueError where `supported` is False."""
+    by `inverse_rope` after). A combine that rotates lets the kernel after it launch only at its end
+    (`PDL_HOLD`; MOEBOX_COMBINE_HOLD=0: at its start, as every other kernel): with the rotation in the combine
+    and an early launch a batch-1 V4-Flash step lost 0.4 ms, the two output products after it slower by 2-6 us a
+    layer, as their programs, launched at the combine's start, waited beside it; held, the step gained 0.05 ms
+    at batch 1 and 0.1 at 8 (docs/benchmarks.md, twenty-first and twenty-second sessions). Runs on CUDA, or on
+    CPU tensors under TRITON_INTERPRET=1; raises ValueError where `supported` is False."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     if not supported(q, ring, slot, window_visible, sink, entries, rows, valid):
@@ -444,7 +441,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, _contig_last(pos), _contig_last(inv), out, nh, cfg.split, out.stride(0),
             out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=s_pad, RD=rd, UNROLL=s_pad <= cfg.combine_unroll, num_warps=4,
-            **pdl_args(q, hold=rd > 0 and os.environ.get("MOEBOX_COMBINE_HOLD") == "1"))
+            **pdl_args(q, hold=rd > 0 and os.environ.get("MOEBOX_COMBINE_HOLD") != "0"))
     elif rope is not None:
         from moebox.ops.rope import inverse_rope
         out.copy_(inverse_rope(out, rope[0], rope[1]))
@@ -465,14 +462,23 @@ def attend_reference(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: 
     return attend(q, keys, window_visible, sink, scale, entries, slot, rows, valid)
 
 
+def rope_in_combine(batch: int) -> bool:
+    """Whether a decode step of `batch` sequences rotates the attention output back in the combine (saving a
+    launch) rather than after it: at batch 1 and from 4. On the H200 (V4-Flash, 4K context, twenty-second
+    session), with the combine's dependent held (`attend_triton`), against rotating after it at batch 1 and in an
+    unheld combine from 4: batch 1 5.07 -> 5.02 ms, batch 8 12.13 -> 12.04, batch 4 and 16 tied; at batch 2 the
+    rotation in the combine lost 0.04 ms (batch 3 not measured)."""
+    return batch == 1 or batch >= 4
+
+
 def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: torch.Tensor, sink: torch.Tensor,
                   scale: float, entries=None, rows: torch.Tensor | None = None,
                   valid: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                   ) -> torch.Tensor:
     """The dispatch the model uses: `attend_triton` where `supported` (and where it builds), else
     `attend_reference`; with `rope` the output rotated back (`apply_rope(..., inverse=True)`): inside the
-    kernel's combine from `ROPE_IN_COMBINE_BATCH` sequences (MOEBOX_ATTENTION_ROPE=0 / 1: never / always),
-    else after it."""
+    kernel's combine where `rope_in_combine` says (MOEBOX_ATTENTION_ROPE=0 / 1: never / always), else after
+    it."""
     def unrope(out: torch.Tensor) -> torch.Tensor:
         from moebox.ops.rope import inverse_rope
         return out if rope is None else inverse_rope(out, rope[0], rope[1])
@@ -482,7 +488,7 @@ def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: tor
 
     def kernel() -> torch.Tensor:
         if rope is not None and kernel_switched_on(q, "MOEBOX_ATTENTION_ROPE",
-                                                   default=q.shape[0] >= ROPE_IN_COMBINE_BATCH):
+                                                   default=rope_in_combine(q.shape[0])):
             return attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid, rope=rope)
         return unrope(attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
     if supported(q, ring, slot, window_visible, sink, entries, rows, valid):
