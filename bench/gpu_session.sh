@@ -23,6 +23,8 @@
 #                                       # MOEBOX_ATTENTION_ROPE=0 and =1, batch-1 timelines held and not
 #   bash bench/gpu_session.sh priorityprobe # decode at batch 1, 2 and 16 with the side-stream priority for one
 #                                       # branch at a time (MOEBOX_SIDE_PRIORITY=attention, mhc, moe, pack)
+#   bash bench/gpu_session.sh kerneltimes # one decode step's kernels at batch 1, 2, 3 (AB_BATCH), PDL on and off,
+#                                       # summed per kernel side by side (bench/timeline_kernels.py)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
 #                                       # (BASE_DIR: the base's copy, carried; ORDER, AB_BATCH, AB_CONTEXT)
 #   bash bench/gpu_session.sh timeline  # one batch-1 step's kernels in launch order with the idle time between
@@ -48,7 +50,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|kerneltimes|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -135,6 +137,18 @@ ropeprobe)                    # the inverse RoPE in the attention's combine lost
             moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-hold$hold.tsv"
     done
     python3 -m bench.timeline_waits "$out"/timeline-*.tsv | tee -a "$out/summary.txt"
+    ;;
+kerneltimes)                  # one decode step's kernels at each of AB_BATCH (default 1 2 3), PDL on and off, summed
+    # per kernel side by side (where batch 2's extra 1.3 ms over the floor's growth goes)
+    files=()
+    for size in ${AB_BATCH:-1 2 3}; do
+        for pdl in 1 0; do
+            step "timeline-b$size-pdl$pdl" env MOEBOX_PDL=$pdl python3 -m moebox.bench.decode decode --context 4096 \
+                --batch "$size" --no-breakdown --timeline "$out/timeline-b$size-pdl$pdl.tsv"
+            files+=("$out/timeline-b$size-pdl$pdl.tsv")
+        done
+    done
+    python3 -m bench.timeline_kernels "${files[@]}" | tee -a "$out/summary.txt"
     ;;
 priorityprobe)                # which branch's priority gains at batch 1 and 16 and loses at batch 2
     for switch in default MOEBOX_SIDE_PRIORITY=0 MOEBOX_SIDE_PRIORITY=attention MOEBOX_SIDE_PRIORITY=mhc \

@@ -152,3 +152,19 @@ def test_timeline_output_spans_follow_the_combine_on_its_stream():
             ("13", "5", "1", "_fp8_gemv_kernel"), ("15", "2", "1", "_inverse_rope_kernel"),
             ("19", "6", "1", "_fp8_gemv_kernel"), ("40", "4", "1", "_combine_kernel"), ("45", "5", "1", "_fp8_gemv_kernel")]
     assert output_spans([dict(start_us=a, dur_us=b, stream=c, name=d) for a, b, c, d in rows]) == [15.0]
+
+
+def test_timeline_kernels_sum_each_kernel_per_file(tmp_path, capsys):
+    """bench/timeline_kernels.py on two hand-written timelines: launches and busy us per kernel name (arguments
+    cut), ordered by a kernel's largest time in either file, a kernel missing from a file shown as `-`."""
+    from bench.timeline_kernels import main
+    header = "start_us\tdur_us\tidle_us\tstream\tname\n"
+    a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    a.write_text(header + "0\t5\t0\t7\t_fp8_gemv_kernel\n6\t2.5\t1\t7\tvoid gather<16, long>(char*, long)\n"
+                 "9\t4\t0.5\t7\t_fp8_gemv_kernel\n")
+    b.write_text(header + "0\t7\t0\t7\t_fp8_mma_kernel\n8\t3\t1\t7\t_fp8_gemv_kernel\n")
+    main([str(a), str(b), "--top", "5"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0].lstrip("| ") for r in rows] == ["_fp8_gemv_kernel", "_fp8_mma_kernel", "void gather<16, long>", "all"]
+    assert [r[1:] for r in rows[:3]] == [["2 / 9.0", "1 / 3.0 |"], ["-", "1 / 7.0 |"], ["1 / 2.5", "- |"]]
+    assert rows[3][1:] == ["11.5", "10.0 |"]
