@@ -23,6 +23,8 @@
 #                                       # MOEBOX_ATTENTION_ROPE=0 and =1, batch-1 timelines held and not
 #   bash bench/gpu_session.sh priorityprobe # decode at batch 1, 2 and 16 with the side-stream priority for one
 #                                       # branch at a time (MOEBOX_SIDE_PRIORITY=attention, mhc, moe, pack)
+#   bash bench/gpu_session.sh holdprobe # decode at batch 1, 2, 8 with each kernel's dependents held to its end
+#                                       # (MOEBOX_PDL_HOLD), HOLD_GROUP=1 / 2: the first / second ten kernels
 #   bash bench/gpu_session.sh kerneltimes # one decode step's kernels at batch 1, 2, 3 (AB_BATCH), PDL on and off,
 #                                       # summed per kernel side by side (bench/timeline_kernels.py)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
@@ -50,7 +52,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|kerneltimes|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|holdprobe|kerneltimes|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -137,6 +139,19 @@ ropeprobe)                    # the inverse RoPE in the attention's combine lost
             moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-hold$hold.tsv"
     done
     python3 -m bench.timeline_waits "$out"/timeline-*.tsv | tee -a "$out/summary.txt"
+    ;;
+holdprobe)                    # decode at AB_BATCH (default 1 2 8) with one kernel's dependents held to its end
+    # (MOEBOX_PDL_HOLD), kernel after kernel, between two default runs; HOLD_GROUP 1 / 2: the first / second ten
+    # of a decode step's kernels (one call each), or HOLD_KERNELS: a list of names
+    group1="_fp8_gemv_kernel _fp8_mma_kernel _fp8_linear_kernel _split_sum_kernel _gate_up_mma_kernel \
+        _down_mma_kernel _pack_x_kernel _mix_kernel _post_kernel _mix_logits_gemv_kernel"
+    group2="_attend_kernel _combine_kernel _query_rope_kernel _inverse_rope_kernel _store_keys_kernel \
+        _compress_kernel _topk_kernel _index_scores_kernel _router_route_kernel _rms_norm_kernel"
+    [ "${HOLD_GROUP:-1}" = 2 ] && kernels=$group2 || kernels=$group1
+    for switch in default ${HOLD_KERNELS:-$kernels} default; do
+        [ "$switch" != default ] && switch=MOEBOX_PDL_HOLD=$switch
+        decode_switch "$switch" "1 2 8" "$switch"
+    done
     ;;
 kerneltimes)                  # one decode step's kernels at each of AB_BATCH (default 1 2 3), PDL on and off, summed
     # per kernel side by side (where batch 2's extra 1.3 ms over the floor's growth goes)

@@ -26,18 +26,13 @@ def _kernels() -> dict[str, ast.FunctionDef]:
     return out
 
 
-def _launches() -> list[tuple[str, ast.Call, set[str]]]:
-    """`kernel[grid](...)` calls, each with the names its function binds to `pdl_args(...)`."""
+def _launches() -> list[tuple[str, ast.Call]]:
+    """`kernel[grid](...)` calls."""
     out = []
     for path in sorted(KERNEL_DIR.glob("*.py")):
-        for fn in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(fn, ast.FunctionDef):
-                continue
-            bound = {t.id for a in ast.walk(fn) if isinstance(a, ast.Assign) and "pdl_args(" in ast.unparse(a.value)
-                     for t in a.targets if isinstance(t, ast.Name)}
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-                    out.append((f"{path.name}:{ast.unparse(node.func.value)}", node, bound))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                out.append((f"{path.name}:{ast.unparse(node.func.value)}", node))
     return out
 
 
@@ -76,7 +71,7 @@ def _read_before_wait(fn: ast.FunctionDef, helpers: set[str]) -> set[str]:
 def test_every_launched_kernel_waits_for_its_predecessor_before_reading_its_output():
     kernels = _kernels()
     helpers = {name.split(":")[1] for name in kernels}
-    launched = {name for name, _, _ in _launches()}
+    launched = {name for name, _ in _launches()}
     assert len(launched) >= 14
     assert set(READ_BEFORE_WAIT) <= launched
     for name in launched:
@@ -86,10 +81,23 @@ def test_every_launched_kernel_waits_for_its_predecessor_before_reading_its_outp
         early = _read_before_wait(fn, helpers)
         assert early <= READ_BEFORE_WAIT.get(name, set()), f"{name} reads {early} before its PDL wait"
         assert early == READ_BEFORE_WAIT.get(name, set()), f"{name}: READ_BEFORE_WAIT is stale ({early})"
-    for name, call, bound in _launches():
+    for name, call in _launches():
         spread = [k.value for k in call.keywords if k.arg is None]
-        assert any("pdl_args(" in ast.unparse(v) or (isinstance(v, ast.Name) and v.id in bound) for v in spread), \
-            f"{name}: launched without **pdl_args(...) (its PDL flag and launch option)"
+        pdl = [v for v in spread if isinstance(v, ast.Call) and ast.unparse(v.func) == "pdl_args"]
+        assert len(pdl) == 1, f"{name}: launched without **pdl_args(...) (its PDL flag and launch option)"
+        assert ast.unparse(pdl[0].args[1]) == ast.unparse(call.func.value), \
+            f"{name}: pdl_args names another kernel (MOEBOX_PDL_HOLD would hold the wrong one)"
+
+
+def test_pdl_hold_names_kernels(monkeypatch):
+    """MOEBOX_PDL_HOLD holds the dependents of the kernels it names, by their Python names, and no others."""
+    from moebox.ops.triton import decode_attention, fp8_linear
+    from moebox.ops.triton.runtime import pdl_held
+    monkeypatch.delenv("MOEBOX_PDL_HOLD", raising=False)
+    assert not pdl_held(fp8_linear._fp8_gemv_kernel)
+    monkeypatch.setenv("MOEBOX_PDL_HOLD", "_attend_kernel,_fp8_gemv_kernel")
+    assert pdl_held(fp8_linear._fp8_gemv_kernel) and pdl_held(decode_attention._attend_kernel)
+    assert not pdl_held(fp8_linear._fp8_linear_kernel) and not pdl_held(decode_attention._combine_kernel)
 
 
 def test_pdl_is_on_unless_switched_off_and_never_for_cpu_tensors(monkeypatch):

@@ -439,7 +439,7 @@ def compress_step_triton(kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor
         D=d, D_PAD=dp, R=ratio, OVERLAP=bool(overlap), HALF_RD=inv_freq.numel(), NOPE=int(nope_dim) if finish == "kv"
         else 0, FINISH=_FINISH[finish], LOG2D=max(0, d.bit_length() - 1) if finish == "index" else 0,
         BR=cfg.block_rows, B_PAD=_batch_pad(b), VB=cfg.vis_block, PRECISE=kv.device.type == "cuda",
-        num_warps=cfg.num_warps, **kwargs, **pdl_args(kv))
+        num_warps=cfg.num_warps, **kwargs, **pdl_args(kv, _compress_kernel))
     return out
 
 

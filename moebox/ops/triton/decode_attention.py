@@ -424,7 +424,6 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         po = torch.empty((b, cfg.split, nh, d), dtype=torch.float32, device=q.device)
         pm = torch.empty((b, cfg.split, nh), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-    pdl = pdl_args(q)
     _attend_kernel[(b, cfg.split, cdiv(nh, hb))](
         q, ring, slot, wvis, ent, rws, vmask, sink, out, po, pm, pl,
         nh, r, ke, nw, nw + ne, tps, cfg.split, float(scale),
@@ -432,7 +431,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         out.stride(0), out.stride(1),
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
         SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl)
+        num_stages=cfg.num_stages, **pdl_args(q, _attend_kernel))
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
         cbd = min(next_pow2(cfg.combine_block_d), d_pad)
@@ -441,7 +440,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, _contig_last(pos), _contig_last(inv), out, nh, cfg.split, out.stride(0),
             out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=s_pad, RD=rd, UNROLL=s_pad <= cfg.combine_unroll, num_warps=4,
-            **pdl_args(q, hold=rd > 0 and os.environ.get("MOEBOX_COMBINE_HOLD") != "0"))
+            **pdl_args(q, _combine_kernel, hold=rd > 0 and os.environ.get("MOEBOX_COMBINE_HOLD") != "0"))
     elif rope is not None:
         from moebox.ops.rope import inverse_rope
         out.copy_(inverse_rope(out, rope[0], rope[1]))

@@ -644,7 +644,6 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
         y = torch.empty((split, n, out_f), dtype=torch.float32, device=x.device)
         stride_yn, stride_yg, stride_ys = out_f, rows, n * out_f
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(out_f, cfg.block_o), split)
-    pdl = pdl_args(x)
     if cfg.kernel == "mma":
         launch_mma(x, data, scale, y, n, out_f, rows, in_f, split, x_strides, (stride_yn, stride_yg, stride_ys),
                    cfg.block_o, cfg.num_warps, cfg.num_stages == 2)
@@ -656,7 +655,7 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,
             stride_ys, eps, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
             NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, num_warps=cfg.num_warps, num_stages=1,
-            **pdl)
+            **pdl_args(x, _fp8_gemv_kernel))
     else:
         if x.dtype == torch.float32:
             terms = 2
@@ -669,13 +668,13 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
             x, data, scale, y, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0), stride_yn, stride_yg, stride_ys,
             BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=BLOCK, X_TERMS=terms, DOT_DTYPE=dot_dtype,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, _fp8_linear_kernel))
     if split > 1:
         # a sum block never straddles two groups: rows is a multiple of 128 when there are several
         sum_block = min(1024, triton.next_power_of_2(out_f) if rows == out_f else rows & -rows)
         _split_sum_kernel[(n, triton.cdiv(out_f, sum_block))](
             y, out, out_f, rows, stride_ys, out_strides[0], out_strides[1], SPLIT=split, BLOCK=sum_block,
-            num_warps=4, **pdl)
+            num_warps=4, **pdl_args(x, _split_sum_kernel))
 
 
 def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,

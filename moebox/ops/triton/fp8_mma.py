@@ -218,7 +218,7 @@ def launch_mma(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, y: torc
         x, data, scale, y, n, out_f, rows, steps, per_split, x_strides[0], x_strides[1], data.stride(0),
         scale.stride(0), *y_strides, R=tiles, S=warps, TOKEN_SETS=1 if n <= 8 else 2,
         X_F16=x.dtype == torch.float16, PREFETCH=prefetch, USE_ASM=not interpreting(), num_warps=warps,
-        num_stages=1, **pdl_args(x))
+        num_stages=1, **pdl_args(x, _fp8_mma_kernel))
 
 
 def sass_report(tiles: int = 1, warps: int = 4, token_sets: int = 1, prefetch: bool = True,

@@ -100,7 +100,7 @@ def index_scores_triton(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_
         qi, wi, index_keys, slot, v.view(torch.uint8), out, float(scale), h, e, d,
         qi.stride(0), qi.stride(1), wi.stride(0), index_keys.stride(0), index_keys.stride(1), v.stride(0),
         out.stride(0), H_PAD=max(16, next_pow2(h)), D_PAD=max(16, next_pow2(d)), BLOCK_E=BLOCK_E, num_warps=4,
-        **pdl_args(qi))
+        **pdl_args(qi, _index_scores_kernel))
     return out
 
 

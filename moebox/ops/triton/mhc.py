@@ -434,9 +434,9 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tor
     args = (X, fn, ws, n, k, m, per, cfg.split, X.stride(0), fn.stride(0))
     tile = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_PAD=m_pad, num_warps=cfg.num_warps)
     if gemv:
-        _mix_logits_gemv_kernel[grid](*args, **tile, **pdl_args(X))
+        _mix_logits_gemv_kernel[grid](*args, **tile, **pdl_args(X, _mix_logits_gemv_kernel))
     else:
-        _mix_logits_kernel[grid](*args, **tile, num_stages=cfg.num_stages, **pdl_args(X))
+        _mix_logits_kernel[grid](*args, **tile, num_stages=cfg.num_stages, **pdl_args(X, _mix_logits_kernel))
     return ws
 
 
@@ -455,7 +455,7 @@ def _mix(X: torch.Tensor, ws: torch.Tensor, m: int, base: torch.Tensor, scale: t
         X, ws, _rows(base), _rows(scale), some, post if coeffs else some, comb if coeffs else some,
         some if norm is None else norm, hidden, hc * hidden, split, iters, eps, norm_eps, X.stride(0),
         some.stride(0), HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=m_pad, S_PAD=next_pow2(split), BLOCK_H=block_h,
-        COEFFS=coeffs, GRAM=gram, NORM=norm is not None, num_warps=cfg.mix_warps, **pdl_args(X))
+        COEFFS=coeffs, GRAM=gram, NORM=norm is not None, num_warps=cfg.mix_warps, **pdl_args(X, _mix_kernel))
 
 
 def _config(config: HcConfig | None, X: torch.Tensor) -> HcConfig:
@@ -591,7 +591,7 @@ def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor
         *(p.stride(0), p.stride(1), c.stride(0), c.stride(1), c.stride(2)) if out is not None else (0,) * 5,
         fn.stride(0) if fn is not None else 0, HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=next_pow2(max(m, 1)),
         W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None, ADD=addend is not None,
-        PARTIALS=fn is not None, num_warps=cfg.num_warps, **pdl_args(X))
+        PARTIALS=fn is not None, num_warps=cfg.num_warps, **pdl_args(X, _post_kernel))
     return y, ws
 
 

@@ -48,5 +48,5 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
         block = next_pow2(d)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, rows if weight is None else weight, y, d, rows.stride(0), y.stride(0), eps, BLOCK=block,
-            HAS_WEIGHT=weight is not None, num_warps=4 if block <= 4096 else 8, **pdl_args(x))
+            HAS_WEIGHT=weight is not None, num_warps=4 if block <= 4096 else 8, **pdl_args(x, _rms_norm_kernel))
     return y.reshape(x.shape)

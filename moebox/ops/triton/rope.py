@@ -180,7 +180,7 @@ def query_rope_triton(q: torch.Tensor, qi: torch.Tensor | None, positions: torch
         q, qo, q if weight is None else weight, ii, qio if qio is not None else qo, positions,
         inv_freq, hq, hi, nqb, q.stride(0), q.stride(1), ii.stride(0), ii.stride(1), eps, DQ=dq, DQ_PAD=dq_pad,
         BHQ=bhq, DI=di, DI_PAD=di_pad, BHI=bhi, RD=rd, RD_PAD=next_pow2(rd), HAS_WEIGHT=weight is not None,
-        HAS_QI=qi is not None, PRECISE=q.is_cuda, num_warps=4, **_no_fma(), **pdl_args(q))
+        HAS_QI=qi is not None, PRECISE=q.is_cuda, num_warps=4, **_no_fma(), **pdl_args(q, _query_rope_kernel))
     return qo, qio
 
 
@@ -200,7 +200,7 @@ def inverse_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     d_pad, bh = _block(h, d)
     _inverse_rope_kernel[(n, cdiv(h, bh))](
         x, y, positions, _inv(inv_freq, x.device), h, x.stride(0), x.stride(1), D=d, D_PAD=d_pad, BH=bh, RD=rd,
-        RD_PAD=next_pow2(rd), PRECISE=x.is_cuda, num_warps=4, **_no_fma(), **pdl_args(x))
+        RD_PAD=next_pow2(rd), PRECISE=x.is_cuda, num_warps=4, **_no_fma(), **pdl_args(x, _inverse_rope_kernel))
     return y
 
 
@@ -231,5 +231,5 @@ def store_keys_triton(kv: torch.Tensor, weight: torch.Tensor, eps: float, positi
         kv, weight, _inv(inv_freq, kv.device), positions,
         slots.contiguous(), ring, visible.view(torch.uint8), kv.stride(0), ring.stride(0), ring.stride(1), r,
         int(window), eps, D=d, D_PAD=next_pow2(d), RD=rd, RD_PAD=next_pow2(rd), R_PAD=next_pow2(r),
-        PRECISE=kv.is_cuda, num_warps=4, **_no_fma(), **pdl_args(kv))
+        PRECISE=kv.is_cuda, num_warps=4, **_no_fma(), **pdl_args(kv, _store_keys_kernel))
     return visible

@@ -143,7 +143,7 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor | None, *, top_k: int,
         _route_kernel[(n,)](
             logits, logits if bias is None else bias, ids, w, e, logits.stride(0), float(scaling),
             **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), num_warps=1 if e <= 1024 else 4,
-            **pdl_args(logits))
+            **pdl_args(logits, _route_kernel))
     return ids, w
 
 
@@ -184,5 +184,6 @@ def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     _router_route_kernel[(e // ROUTER_ROWS, n)](
         x, gate, gate if bias is None else bias, logits, _counters[key], ids, w, e, h, x.stride(0),
         gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096),
-        **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), num_warps=4, **pdl_args(x))
+        **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), num_warps=4,
+        **pdl_args(x, _router_route_kernel))
     return ids, w

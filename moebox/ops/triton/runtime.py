@@ -14,7 +14,7 @@ import logging
 import os
 import subprocess
 import tempfile
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -67,12 +67,20 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 PDL_HOLD = 2     # a kernel's PDL flag when it waits for the kernel before but lets the one after launch only at its end
 
 
-def pdl_args(t: torch.Tensor, hold: bool = False) -> dict[str, bool | int]:
-    """The keywords of a kernel launch on t's device: the kernel's `PDL` flag (see `pdl_start`; `PDL_HOLD` with
-    `hold`) and, when on, Triton's `launch_pdl` (the interpreter takes no such keyword)."""
+def pdl_held(kernel: Any) -> bool:
+    """Whether MOEBOX_PDL_HOLD (a comma list of kernel names, e.g. `_attend_kernel,_fp8_gemv_kernel`) names
+    `kernel` (a Triton kernel): a probe switch, to find the kernels whose dependents, launched at their start,
+    slow them or the chain after them (as the rotating combine's did: docs/benchmarks.md, twenty-second session).
+    Read as the launch is made, so a CUDA graph keeps the value it was captured with."""
+    return kernel.__name__ in os.environ.get("MOEBOX_PDL_HOLD", "").split(",")
+
+
+def pdl_args(t: torch.Tensor, kernel: Any, hold: bool = False) -> dict[str, bool | int]:
+    """The keywords of a launch of `kernel` on t's device: its `PDL` flag (see `pdl_start`; `PDL_HOLD` with
+    `hold` or where `pdl_held`) and, when on, Triton's `launch_pdl` (the interpreter takes no such keyword)."""
     if not pdl_enabled(t):
         return {"PDL": False}
-    return {"PDL": PDL_HOLD if hold else True, "launch_pdl": True}
+    return {"PDL": PDL_HOLD if hold or pdl_held(kernel) else True, "launch_pdl": True}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -261,6 +269,6 @@ else:
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
            "num_sms", "interpreting", "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump",
            "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
-           "pdl_enabled", "pdl_args", "pdl_start", "PDL_HOLD", "device_exp",
+           "pdl_enabled", "pdl_args", "pdl_held", "pdl_start", "PDL_HOLD", "device_exp",
            "device_cos", "device_sin"]
 

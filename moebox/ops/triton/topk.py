@@ -229,7 +229,7 @@ def index_topk_triton(scores: torch.Tensor, valid: torch.Tensor, k: int,
     if b:
         _topk_kernel[(b,)](scores, valid.view(torch.uint8), rows, rvalid.view(torch.uint8), e, scores.stride(0),
                            valid.stride(0), K=k, NCH=cfg.nch, HK=cfg.hk, TK=cfg.tk, NT=cfg.nt, WIDE=cfg.wide,
-                           num_warps=cfg.num_warps, **pdl_args(scores))
+                           num_warps=cfg.num_warps, **pdl_args(scores, _topk_kernel))
     return rows, rvalid
 
 

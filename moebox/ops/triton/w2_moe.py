@@ -598,17 +598,16 @@ def _decode_fma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         x_arg, x_stride = xt, 16 * hw
     else:
         x_arg, x_stride = x, x.stride(0)
-    pdl = pdl_args(x)
     _gate_up_kernel[(pairs, inter // g_rows)](
         x_arg, ids, rw, w1c, w1s, w3c, w3s, h,
         x_stride, w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, HAS_LIMIT=has_limit, X_WORDS=cfg.transpose_x, ROWS=g_rows, WORDS=g_words,
-        num_warps=cfg.gate_warps, num_stages=cfg.num_stages, **pdl)
+        num_warps=cfg.gate_warps, num_stages=cfg.num_stages, **pdl_args(x, _gate_up_kernel))
     _down_kernel[(n, hidden // d_rows)](
         h, ids, w2c, w2s, out,
         out.stride(0), w2c.stride(0), w2s.stride(0),
         H=hidden, IW=iw, K=k, ROWS=d_rows, WORDS=d_words,
-        num_warps=cfg.down_warps, num_stages=cfg.num_stages, **pdl)
+        num_warps=cfg.down_warps, num_stages=cfg.num_stages, **pdl_args(x, _down_kernel))
 
 
 def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
@@ -623,7 +622,6 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         xp = _pack_x(x, _empty_packed(x))
     hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
     use_asm = not interpreting()
-    pdl = pdl_args(x)
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
     _gate_up_mma_kernel[(pairs, iw)](
@@ -631,12 +629,12 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
         USE_ASM=use_asm,
-        num_warps=gate_split, num_stages=1, **pdl)
+        num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
-        num_warps=down_split, num_stages=1, **pdl)
+        num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
 
 
 def _empty_packed(x: torch.Tensor) -> torch.Tensor:
@@ -649,7 +647,7 @@ def _pack_x(x: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
     n, hidden = x.shape
     block = _pow2_block(1024, hidden)
     _pack_x_kernel[(n, hidden // block)](x, xp.view(torch.int16), x.stride(0), KW=hidden // 16, T=_TERMS[x.dtype],
-                                         BLOCK=block, num_warps=4, **pdl_args(x))
+                                         BLOCK=block, num_warps=4, **pdl_args(x, _pack_x_kernel))
     return xp
 
 

@@ -280,18 +280,19 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     w1c, w3c, w2c = (_u8(c) for c in (w1_codes, w3_codes, w2_codes))
     w1s, w3s, w2s = (_u8(s) for s in (w1_scales, w3_scales, w2_scales))
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, DT=dt, PRECISION=precision, STAGES=config.num_stages,
-                  num_warps=config.num_warps, **pdl_args(x))
+                  num_warps=config.num_warps)
     gate_args = (x, slots, block_expert, rw, w1c, w1s, w3c, w3s, h, n * k, n_experts, x.stride(0), w1c.stride(0),
                  w1s.stride(0), float(limit or 0.0))
     down_args = (h, slots, block_expert, w2c, w2s, y, n * k, n_experts, w2c.stride(0), w2s.stride(0))
     gate_grid, down_grid = (blocks, cdiv(inter, bn)), (blocks, cdiv(hidden, bn))
     gate_kw = dict(TOP_K=k, HAS_LIMIT=bool(limit))
     if rows:
-        _gate_up_rows_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common)
-        _down_rows_kernel[down_grid](*down_args, H=hidden, I=inter, **common)
+        _gate_up_rows_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common,
+                                        **pdl_args(x, _gate_up_rows_kernel))
+        _down_rows_kernel[down_grid](*down_args, H=hidden, I=inter, **common, **pdl_args(x, _down_rows_kernel))
     else:
-        _gate_up_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common)
-        _down_kernel[down_grid](*down_args, H=hidden, I=inter, **common)
+        _gate_up_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common, **pdl_args(x, _gate_up_kernel))
+        _down_kernel[down_grid](*down_args, H=hidden, I=inter, **common, **pdl_args(x, _down_kernel))
     return y.view(n, k, hidden).sum(dim=1).to(x.dtype)
 
 
