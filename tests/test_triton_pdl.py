@@ -144,11 +144,12 @@ def test_the_hopper_build_waits_before_its_first_load():
 def test_gpu_a_dependent_chain_in_a_cuda_graph_gives_the_same_bits_with_pdl(monkeypatch):
     """30 mHC sites, each reading what the one before wrote (pre, post, pre, ...), captured in a CUDA graph:
     with PDL every kernel starts early and must still see its predecessor's output, so the bits equal the run
-    without PDL and the eager run."""
+    without PDL and the eager run; so do they with the mHC kernels' dependents held (MOEBOX_PDL_HOLD)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or newer")
     from moebox.ops.cuda_graphs import capture
-    from moebox.ops.triton.mhc import hc_post_triton, hc_pre_triton, random_site
+    from moebox.ops.triton.mhc import _mix_kernel, hc_post_triton, hc_pre_triton, random_site
+    from moebox.ops.triton.runtime import PDL_HOLD, pdl_args
 
     X0, fn, base, scale = random_site(4)
     kw = dict(iters=20, eps=1e-6, norm_eps=1e-6)
@@ -161,12 +162,14 @@ def test_gpu_a_dependent_chain_in_a_cuda_graph_gives_the_same_bits_with_pdl(monk
         return X
 
     results = {}
-    for pdl in ("0", "1"):
+    for pdl, held in (("0", ""), ("1", ""), ("1", "_mix_kernel,_post_kernel")):
         monkeypatch.setenv("MOEBOX_PDL", pdl)
+        monkeypatch.setenv("MOEBOX_PDL_HOLD", held)
+        assert pdl_args(X0, _mix_kernel)["PDL"] == (PDL_HOLD if held else pdl == "1")
         eager = chain()
         graph, out = capture(chain)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager), pdl
-        results[pdl] = out.clone()
-    assert torch.equal(results["0"], results["1"])
+        assert torch.equal(out, eager), (pdl, held)
+        results[pdl, held] = out.clone()
+    assert all(torch.equal(results["0", ""], out) for out in results.values())

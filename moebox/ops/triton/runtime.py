@@ -72,7 +72,7 @@ def pdl_held(kernel: Any) -> bool:
     `kernel` (a Triton kernel): a probe switch, to find the kernels whose dependents, launched at their start,
     slow them or the chain after them (as the rotating combine's did: docs/benchmarks.md, twenty-second session).
     Read as the launch is made, so a CUDA graph keeps the value it was captured with."""
-    return kernel.__name__ in os.environ.get("MOEBOX_PDL_HOLD", "").split(",")
+    return getattr(kernel, "fn", kernel).__name__ in os.environ.get("MOEBOX_PDL_HOLD", "").split(",")
 
 
 def pdl_args(t: torch.Tensor, kernel: Any, hold: bool = False) -> dict[str, bool | int]:
