@@ -12,9 +12,10 @@ for the one before it (it starts early), so compare PDL-on files with each other
 from __future__ import annotations
 
 import argparse
-import csv
 from collections import Counter
 from collections.abc import Sequence
+
+from moebox.bench.decode import read_timeline
 
 
 def kernel_totals(rows: Sequence[dict]) -> dict[str, tuple[int, float]]:
@@ -44,11 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("paths", nargs="+", help="timeline files (`moebox bench decode --timeline FILE`)")
     parser.add_argument("--top", type=int, default=30, help="kernels shown (default 30)")
     args = parser.parse_args(argv)
-    totals = []
-    for path in args.paths:
-        with open(path) as f:
-            totals.append(kernel_totals(list(csv.DictReader(f, delimiter="\t"))))
-    print(table(totals, args.paths, args.top))
+    print(table([kernel_totals(read_timeline(path)) for path in args.paths], args.paths, args.top))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ inverse RoPE in the combine (MOEBOX_ATTENTION_ROPE=1) there, and only with PDL.
 
 from __future__ import annotations
 
-import csv
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from moebox.bench.decode import read_timeline
 
 QUERY_ROPE = "_query_rope_kernel"
 CSA_NEXT = "_index_scores_kernel"                   # the indexer reads the new index keys
@@ -70,8 +71,7 @@ def output_spans(rows: Sequence[dict], products: int = 2) -> list[float]:
 
 def main(paths: Sequence[str]) -> None:
     for path in paths:
-        with open(path) as f:
-            rows = list(csv.DictReader(f, delimiter="\t"))
+        rows = read_timeline(path)
         spans = output_spans(rows)
         median = f"{statistics.median(spans):.1f} us" if spans else "none"
         print(f"{key_branch_waits(rows).line(path)}; attention combine to its 2nd product's end: {median}")

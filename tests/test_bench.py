@@ -150,7 +150,8 @@ def test_timeline_output_spans_follow_the_combine_on_its_stream():
     from bench.timeline_waits import output_spans
     rows = [("10", "4", "1", "_combine_kernel"), ("12", "3", "2", "_fp8_gemv_kernel"),
             ("13", "5", "1", "_fp8_gemv_kernel"), ("15", "2", "1", "_inverse_rope_kernel"),
-            ("19", "6", "1", "_fp8_gemv_kernel"), ("40", "4", "1", "_combine_kernel"), ("45", "5", "1", "_fp8_gemv_kernel")]
+            ("19", "6", "1", "_fp8_gemv_kernel"), ("40", "4", "1", "_combine_kernel"),
+            ("45", "5", "1", "_fp8_gemv_kernel")]
     assert output_spans([dict(start_us=a, dur_us=b, stream=c, name=d) for a, b, c, d in rows]) == [15.0]
 
 

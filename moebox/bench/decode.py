@@ -16,6 +16,7 @@ head) from its own CUDA graph; the full step minus their sum is everything else 
 from __future__ import annotations
 
 import argparse
+import csv
 import logging
 import time
 from dataclasses import dataclass
@@ -311,6 +312,12 @@ def kernel_timeline(step: Callable[[], object], device: torch.device, path: str)
                     f"{e.name[:120]}\n")
             end = max(end, stop)
     return len(events)
+
+
+def read_timeline(path: str) -> list[dict[str, str]]:
+    """The rows of a `kernel_timeline` file, each a dict of its columns (start_us, dur_us, idle_us, stream, name)."""
+    with open(path) as f:
+        return list(csv.DictReader(f, delimiter="\t"))
 
 
 def _profiled_step(model: DeepseekV4, batch_size: int, context: int, use_graphs: bool) -> Callable[[], object]:

@@ -41,11 +41,10 @@ def rope_keys(kv: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Ten
 
 def store_keys(kv: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor,
                slot: torch.Tensor, ring: torch.Tensor, window: int, qat_nope_dim: int | None = None) -> torch.Tensor:
-    """`window_mask` of `rope_keys(kv)`: the new K=V rows normed,
-    rotated and stored in their rings -> which ring rows are inside the window [B, R]. On CUDA (a plain tensor
-    ring, no QAT rounding) one Triton launch (ops/triton/rope.py: `store_keys_triton`) where the compiled functions
-    take six on a batch-1 step (H200, 4K context: batch 1 / 16 -0.24 / -0.20 ms a step); MOEBOX_KEYS_KERNEL=0
-    takes the torch path."""
+    """`window_mask` of `rope_keys(kv)`: the new K=V rows normed, rotated and stored in their rings -> which
+    ring rows are inside the window [B, R]. On CUDA (a plain tensor ring, no QAT rounding) one Triton launch
+    (ops/triton/rope.py: `store_keys_triton`) where the compiled functions take six on a batch-1 step (H200, 4K
+    context: batch 1 / 16 -0.24 / -0.20 ms a step); MOEBOX_KEYS_KERNEL=0 takes the torch path."""
     def torch_path() -> torch.Tensor:
         return window_mask(rope_keys(kv, weight, eps, pos, inv_freq, qat_nope_dim), pos, slot, ring, window)
     if (qat_nope_dim is None and isinstance(ring, torch.Tensor)

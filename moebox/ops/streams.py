@@ -10,8 +10,8 @@ branches. `MOEBOX_OVERLAP=0` runs everything on one stream (to measure the gain)
 
 Side streams have a higher priority than the main stream (for the branches and token counts `side_priority`
 names), and a CUDA graph keeps it: stream capture copies a stream's priority into its kernel nodes, and torch
-instantiates graphs with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth session's timeline,
-H200, PDL on) attention's key branch started its first product 13 us after the fork, as the main stream's wq_b
+instantiates graphs with cudaGraphInstantiateFlagUseNodePriority. Why: in a batch-1 V4-Flash step (the twentieth
+session's timeline, H200, PDL on) attention's key branch started its first product 13 us after the fork, as the main stream's wq_b
 product (20 us) began its last programs, and the main stream then waited for the branch 12 us a CSA layer and 8 us
 in the others (~0.43 ms a step); the shared expert's last product also started as the routed experts' down kernel
 ended, after it. The block scheduler seems to hand free SM slots to the earlier-launched kernel's queued programs
