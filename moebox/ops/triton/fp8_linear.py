@@ -628,6 +628,16 @@ def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: i
     return out
 
 
+def gemv_holds(cfg: Fp8Config) -> bool:
+    """Whether a GEMV launch lets the kernel after it launch only at its end (`PDL_HOLD`) instead of at its start:
+    when its programs take several tokens (block_n > 1; MOEBOX_GEMV_HOLD=0: never). On the H200 (V4-Flash, 4K
+    context, twenty-third session, `MOEBOX_PDL_HOLD=_fp8_gemv_kernel`, every GEMV held): batch 2 6.76 -> 6.33 ms
+    in two runs (the GEMVs' device time 3.8 -> 2.8 ms a step, the shared expert's SiLU 0.53 -> 0.21, the
+    compressors' 0.52 -> 0.27: the dependents' programs, parked in their PDL wait, slowed the 2-token GEMVs and
+    were slowed by them); batch 1 lost 0.02-0.04 ms, 3-16 within 0.02 either way."""
+    return cfg.block_n > 1 and os.environ.get("MOEBOX_GEMV_HOLD") != "0"
+
+
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, n: int, out_f: int,
             rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config,
             norm: Norm | None = None) -> None:
@@ -655,7 +665,7 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,
             stride_ys, eps, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
             NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, num_warps=cfg.num_warps, num_stages=1,
-            **pdl_args(x, _fp8_gemv_kernel))
+            **pdl_args(x, _fp8_gemv_kernel, hold=gemv_holds(cfg)))
     else:
         if x.dtype == torch.float32:
             terms = 2
