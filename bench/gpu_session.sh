@@ -25,6 +25,8 @@
 #                                       # branch at a time (MOEBOX_SIDE_PRIORITY=attention, mhc, moe, pack)
 #   bash bench/gpu_session.sh holdprobe # decode at batch 1, 2, 8 with each kernel's dependents held to its end
 #                                       # (MOEBOX_PDL_HOLD), HOLD_GROUP=1 / 2: the first / second ten kernels
+#   bash bench/gpu_session.sh overlapprobe # decode at batch 1, 2, 8 with the shared expert on the main stream and
+#                                       # with no side streams against the default, twice; batch-1 kernel times
 #   bash bench/gpu_session.sh kerneltimes # one decode step's kernels at batch 1, 2, 3 (AB_BATCH), PDL on and off,
 #                                       # summed per kernel side by side (bench/timeline_kernels.py)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
@@ -52,7 +54,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|holdprobe|kerneltimes|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|holdprobe|overlapprobe|kerneltimes|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -164,6 +166,20 @@ kerneltimes)                  # one decode step's kernels at each of AB_BATCH (d
         done
     done
     python3 -m bench.timeline_kernels "${files[@]}" | tee -a "$out/summary.txt"
+    ;;
+overlapprobe)                 # is the shared expert beside the routed experts a loss? (at batch 1 the pair took
+    # 31 us for 67.5 MB, 2.2 TB/s, while the routed ones alone ran at 2.5 TB/s): decode with it on the main stream
+    # (MOEBOX_OVERLAP=attention,mhc,pack) and with no side streams, alternating, then batch-1 kernel times of both
+    for round in ${ROUNDS:-1 2}; do
+        for switch in default MOEBOX_OVERLAP=attention,mhc,pack MOEBOX_OVERLAP=0; do
+            decode_switch "$switch-$round" "1 2 8" "$switch"
+        done
+    done
+    for overlap in 1 attention,mhc,pack; do     # 1: the default (every branch)
+        step "timeline-overlap-$overlap" env MOEBOX_OVERLAP=$overlap python3 -m moebox.bench.decode decode \
+            --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-overlap-$overlap.tsv"
+    done
+    python3 -m bench.timeline_kernels "$out"/timeline-overlap-*.tsv | tee -a "$out/summary.txt"
     ;;
 priorityprobe)                # which branch's priority gains at batch 1 and 16 and loses at batch 2
     for switch in default MOEBOX_SIDE_PRIORITY=0 MOEBOX_SIDE_PRIORITY=attention MOEBOX_SIDE_PRIORITY=mhc \
