@@ -634,7 +634,7 @@ def gemv_holds(cfg: Fp8Config) -> bool:
     context, twenty-third session, `MOEBOX_PDL_HOLD=_fp8_gemv_kernel`, every GEMV held): batch 2 6.76 -> 6.33 ms
     in two runs (the GEMVs' device time 3.8 -> 2.8 ms a step, the shared expert's SiLU 0.53 -> 0.21, the
     compressors' 0.52 -> 0.27: the dependents' programs, parked in their PDL wait, slowed the 2-token GEMVs and
-    were slowed by them); batch 1 lost 0.02-0.04 ms, 3-16 within 0.02 either way."""
+    were slowed by them); batch 1 lost 0.02-0.07 ms, 3-16 within 0.02 either way."""
     return cfg.block_n > 1 and os.environ.get("MOEBOX_GEMV_HOLD") != "0"
 
 
