@@ -77,6 +77,14 @@ decode_switch() {             # decode_switch NAME SIZES SWITCH: the decode benc
     decode_row "$2" "$3"
 }
 
+timeline_step() {             # timeline_step NAME SIZE VAR=VALUE...: one decode step of SIZE sequences at context
+                              # 4096 with those variables, its kernels to $out/timeline-NAME.tsv
+    local name=$1 size=$2
+    shift 2
+    step "timeline-$name" env "$@" python3 -m moebox.bench.decode decode --context 4096 --batch "$size" \
+        --no-breakdown --timeline "$out/timeline-$name.tsv"
+}
+
 step() {                      # step NAME CMD...: run, log everything, print a one-line result
     local name=$1 t0 rc
     shift
@@ -137,8 +145,7 @@ ropeprobe)                    # the inverse RoPE in the attention's combine lost
         decode_switch "$switch" "1 2 4 8 16" "$switch"
     done
     for hold in 0 1; do
-        step "timeline-hold$hold" env MOEBOX_ATTENTION_ROPE=1 MOEBOX_COMBINE_HOLD=$hold python3 -m \
-            moebox.bench.decode decode --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-hold$hold.tsv"
+        timeline_step "hold$hold" 1 MOEBOX_ATTENTION_ROPE=1 MOEBOX_COMBINE_HOLD=$hold
     done
     python3 -m bench.timeline_waits "$out"/timeline-*.tsv | tee -a "$out/summary.txt"
     ;;
@@ -160,8 +167,7 @@ kerneltimes)                  # one decode step's kernels at each of AB_BATCH (d
     files=()
     for size in ${AB_BATCH:-1 2 3}; do
         for pdl in 1 0; do
-            step "timeline-b$size-pdl$pdl" env MOEBOX_PDL=$pdl python3 -m moebox.bench.decode decode --context 4096 \
-                --batch "$size" --no-breakdown --timeline "$out/timeline-b$size-pdl$pdl.tsv"
+            timeline_step "b$size-pdl$pdl" "$size" MOEBOX_PDL=$pdl
             files+=("$out/timeline-b$size-pdl$pdl.tsv")
         done
     done
@@ -176,8 +182,7 @@ overlapprobe)                 # is the shared expert beside the routed experts a
         done
     done
     for overlap in 1 attention,mhc,pack; do     # 1: the default (every branch)
-        step "timeline-overlap-$overlap" env MOEBOX_OVERLAP=$overlap python3 -m moebox.bench.decode decode \
-            --context 4096 --batch 1 --no-breakdown --timeline "$out/timeline-overlap-$overlap.tsv"
+        timeline_step "overlap-$overlap" 1 MOEBOX_OVERLAP=$overlap
     done
     python3 -m bench.timeline_kernels "$out"/timeline-overlap-*.tsv | tee -a "$out/summary.txt"
     ;;
@@ -206,8 +211,7 @@ profile)                      # per-kernel device time of a decode step (PROFILE
     ;;
 timeline)
     for pdl in 0 1; do
-        step "timeline-pdl$pdl" env MOEBOX_PDL=$pdl python3 -m moebox.bench.decode decode --context 4096 --batch 1 \
-            --no-breakdown --timeline "$out/timeline-pdl$pdl.tsv"
+        timeline_step "pdl$pdl" 1 MOEBOX_PDL=$pdl
     done
     ;;
 kernels)

@@ -83,15 +83,14 @@ report per tiling, no GPU needed).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump, graph_us,  # noqa: F401
-                                       interpreting, kernel_or_fallback, kernel_switched_on, next_pow2, num_sms,
-                                       pdl_args, pdl_start, plain_tensor, rel_err, tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump,  # noqa: F401
+                                       default_hold, graph_us, interpreting, kernel_or_fallback, kernel_switched_on,
+                                       next_pow2, num_sms, pdl_args, pdl_start, plain_tensor, rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
            "attend_decode", "random_inputs", "replay_inputs", "sass_report", "bench", "sweep"]
@@ -440,7 +439,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         _combine_kernel[(b, cdiv(nh, chb), cdiv(d, cbd))](
             po, pm, pl, sink, _contig_last(pos), _contig_last(inv), out, nh, cfg.split, out.stride(0),
             out.stride(1), D=d, HB=chb, BD=cbd, S_PAD=s_pad, RD=rd, UNROLL=s_pad <= cfg.combine_unroll, num_warps=4,
-            **pdl_args(q, _combine_kernel, hold=rd > 0 and os.environ.get("MOEBOX_COMBINE_HOLD") != "0"))
+            **pdl_args(q, _combine_kernel, hold=default_hold(rd > 0, "MOEBOX_COMBINE_HOLD")))
     elif rope is not None:
         from moebox.ops.rope import inverse_rope
         out.copy_(inverse_rope(out, rope[0], rope[1]))

@@ -149,8 +149,8 @@ from moebox.ops.norm import Norm, rms_norm
 from moebox.weights.formats import QuantTensor
 
 from moebox.ops.triton.fp8_mma import launch_mma, mma_takes
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, each_copy, graph_us, interpreting,  # noqa: F401
-                                       next_pow2, num_sms, pdl_args, pdl_start, tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, default_hold, each_copy, graph_us,  # noqa: F401
+                                       interpreting, next_pow2, num_sms, pdl_args, pdl_start, tl, triton)
 
 BLOCK = 128  # the FP8 scale block, both dimensions; also the dot kernel's K step
 
@@ -635,7 +635,7 @@ def gemv_holds(cfg: Fp8Config) -> bool:
     in two runs (the GEMVs' device time 3.8 -> 2.8 ms a step, the shared expert's SiLU 0.53 -> 0.21, the
     compressors' 0.52 -> 0.27: the dependents' programs, parked in their PDL wait, slowed the 2-token GEMVs and
     were slowed by them); batch 1 lost 0.02-0.07 ms, 3-16 within 0.02 either way."""
-    return cfg.block_n > 1 and os.environ.get("MOEBOX_GEMV_HOLD") != "0"
+    return default_hold(cfg.block_n > 1, "MOEBOX_GEMV_HOLD")
 
 
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, n: int, out_f: int,

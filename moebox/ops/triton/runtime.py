@@ -75,6 +75,12 @@ def pdl_held(kernel: Any) -> bool:
     return getattr(kernel, "fn", kernel).__name__ in os.environ.get("MOEBOX_PDL_HOLD", "").split(",")
 
 
+def default_hold(when: bool, switch: str) -> bool:
+    """A hold that measurements made a kernel's default (`pdl_args`' `hold`): `when`, unless the environment sets
+    `switch` (e.g. MOEBOX_GEMV_HOLD) to 0, which lets the dependent launch at the kernel's start again."""
+    return when and os.environ.get(switch) != "0"
+
+
 def pdl_args(t: torch.Tensor, kernel: Any, hold: bool = False) -> dict[str, bool | int]:
     """The keywords of a launch of `kernel` on t's device: its `PDL` flag (see `pdl_start`; `PDL_HOLD` with
     `hold` or where `pdl_held`) and, when on, Triton's `launch_pdl` (the interpreter takes no such keyword)."""
@@ -269,6 +275,6 @@ else:
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
            "num_sms", "interpreting", "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump",
            "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
-           "pdl_enabled", "pdl_args", "pdl_held", "pdl_start", "PDL_HOLD", "device_exp",
+           "pdl_enabled", "pdl_args", "pdl_held", "default_hold", "pdl_start", "PDL_HOLD", "device_exp",
            "device_cos", "device_sin"]
 
