@@ -25,8 +25,8 @@
 #                                       # branch at a time (MOEBOX_SIDE_PRIORITY=attention, mhc, moe, pack)
 #   bash bench/gpu_session.sh holdprobe # decode at batch 1, 2, 8 with each kernel's dependents held to its end
 #                                       # (MOEBOX_PDL_HOLD), HOLD_GROUP=1 / 2: the first / second ten kernels
-#   bash bench/gpu_session.sh overlapprobe # decode at batch 1, 2, 8 with the shared expert on the main stream and
-#                                       # with no side streams against the default, twice; batch-1 kernel times
+#   bash bench/gpu_session.sh overlapprobe # decode at batch 1, 2, 8 with no side streams against the default, twice;
+#                                       # batch-1 timelines with the shared expert beside / on the main stream
 #   bash bench/gpu_session.sh kerneltimes # one decode step's kernels at batch 1, 2, 3 (AB_BATCH), PDL on and off,
 #                                       # summed per kernel side by side (bench/timeline_kernels.py)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
@@ -47,6 +47,8 @@
 #   bash bench/gpu_session.sh attnsweep # the decode attention's tilings at batch 8 and 16 (CSA, HCA)
 #   bash bench/gpu_session.sh index     # the indexer's score kernel against the torch function, then decode at 4K
 #                                       # and 64K with it off / on (MOEBOX_INDEX_KERNEL)
+#   bash bench/gpu_session.sh pipes     # warp instructions a cycle and SM of PRMT, LOP3, SHF, F2FP, HFMA2, IMAD
+#                                       # alone and paired (bench/pipe_probe.py): which pipes a dequant can use
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
 #   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
 #   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in
@@ -54,7 +56,7 @@
 #                                       # those in PHASES (default "tests") run one after another on GPU 1
 # Logs go to $OUT (the device tool's output folder) or ./runs/gpu; one log per phase, a summary line per step.
 set -u
-usage="usage: bash bench/gpu_session.sh tests|kernels|experts|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|holdprobe|overlapprobe|kerneltimes|train|copycheck|spec|pair"
+usage="usage: bash bench/gpu_session.sh tests|kernels|experts|pipes|fp8sweep|mhc|topk|attnsweep|index|ncu|profile|timeline|decode|decode4k|ab|versions|probetests|probes|ropeprobe|priorityprobe|holdprobe|overlapprobe|kerneltimes|train|copycheck|spec|pair"
 phase=${1:?$usage}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -174,10 +176,11 @@ kerneltimes)                  # one decode step's kernels at each of AB_BATCH (d
     python3 -m bench.timeline_kernels "${files[@]}" | tee -a "$out/summary.txt"
     ;;
 overlapprobe)                 # is the shared expert beside the routed experts a loss? (at batch 1 the pair took
-    # 31 us a layer, the routed ones alone 27.7 us a call in the w2 bench): decode with it on the main stream
-    # (MOEBOX_OVERLAP=attention,mhc,pack) and with no side streams, alternating, then batch-1 kernel times of both
+    # 31 us a layer, the routed ones alone 27.7 us a call in the w2 bench): decode with every branch on its side
+    # stream and with none, alternating, then batch-1 timelines (and step times) with every branch beside and with
+    # the shared expert on the main stream (MOEBOX_OVERLAP=attention,mhc,pack: decode_switch would split its commas)
     for round in ${ROUNDS:-1 2}; do
-        for switch in default MOEBOX_OVERLAP=attention,mhc,pack MOEBOX_OVERLAP=0; do
+        for switch in default MOEBOX_OVERLAP=0; do
             decode_switch "$switch-$round" "1 2 8" "$switch"
         done
     done
@@ -198,6 +201,9 @@ index)
         step "decode-index$flag" env MOEBOX_INDEX_KERNEL=$flag python3 -m moebox.bench.decode decode \
             --context 4096 65536 --batch 1 8 16 --no-breakdown
     done
+    ;;
+pipes)                        # issue rates of the dequant's candidate instructions, alone and paired
+    step pipes python3 -m bench.pipe_probe
     ;;
 ncu)                          # hardware counters: DRAM throughput, stall reasons, occupancy of each launch
     step ncu env MOEBOX_PDL=0 ncu --clock-control none --kernel-name "regex:${NCU_KERNELS:-mma_kernel|fp8_gemv}" \

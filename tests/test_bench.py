@@ -3,17 +3,20 @@ row and counts the bytes a step reads from the model's own weights and routing."
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from moebox.bench.decode import _step_batch, distinct_experts, expert_bytes
 from moebox.bench.synthetic import synthetic_weights
 from moebox.config import parse_config
 from moebox.model.deepseek_v4 import DeepseekV4
+from moebox.ops.triton.runtime import HAVE_TRITON
 from moebox.weights.synth import preset_config
 
 
@@ -169,3 +172,29 @@ def test_timeline_kernels_sum_each_kernel_per_file(tmp_path, capsys):
     assert [r[0].lstrip("| ") for r in rows] == ["_fp8_gemv_kernel", "_fp8_mma_kernel", "void gather<16, long>", "all"]
     assert [r[1:] for r in rows[:3]] == [["2 / 9.0", "1 / 3.0 |"], ["-", "1 / 7.0 |"], ["1 / 2.5", "- |"]]
     assert rows[3][1:] == ["11.5", "10.0 |"]
+
+
+OPCODES = {"lop3": "LOP3", "shf": "SHF", "prmt": "PRMT", "cvt_e4m3": "F2FP", "hfma2_bf16": "HFMA2",
+           "hfma2_f16": "HFMA2", "imad": "IMAD", "imad_hi": "IMAD", "imad_wide": "IMAD", "hadd2_h1": "HADD2"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_pipe_probe_times_the_instructions_it_names():
+    """Each pair and mix of bench/pipe_probe.py, built for sm_90 on this machine, issues exactly the SASS
+    instructions it is named for in its loop (ptxas neither folds a chain away nor adds conversions), so the rates
+    it prints are those instructions' rates."""
+    from bench import pipe_probe as pp
+    from moebox.ops.triton.runtime import build_sm90, loop_sass
+    per_op = pp.REPEAT * pp.ELEMS                  # one op of a step list, per loop iteration and thread
+    cases = [[a, b] for a, b in pp.PAIRS] + list(pp.MIXES.values())
+    for ops in cases:
+        k = build_sm90(pp._chain_kernel, {"out_ptr": "*i32", "mult_ptr": "*i32"},
+                       {"ASM": pp._asm([pp.OPS[o] for o in ops]), "BLOCK": 1024, "ITERS": pp.ITERS},
+                       ["out_ptr", "mult_ptr"], num_warps=4)
+        counts, _, spills, looped = loop_sass(k.asm["cubin"])
+        want = collections.Counter(OPCODES[o] for o in ops)
+        assert looped and spills == 0, (ops, counts)
+        for opcode, n in want.items():   # IMAD may also count a few register moves and the loop's counter
+            assert per_op * n <= counts.get(opcode, 0) <= per_op * n + 8, (ops, opcode, counts)
+        assert sum(counts.values()) <= per_op * len(ops) + 16, (ops, counts)   # + the loop's own few
