@@ -65,6 +65,10 @@ def _scalar(op: str, v: list[int]) -> int:
         assert not v[2] & 0x8888, "sign-replicate mode is not used"
         src = v[0] | (v[1] << 32)
         return sum(((src >> (8 * ((v[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+    if op == "add.rn.f16x2":   # IEEE half additions (numpy rounds the exact sum once)
+        a, b = (np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16) for x in v)
+        h = (a + b).view(np.uint16)
+        return int(h[0]) | (int(h[1]) << 16)
     if op == "cvt.rn.f16x2.f32":   # a -> high half, b -> low half
         hi, lo = (int(np.array([f32(x)], dtype=np.float32).astype(np.float16).view(np.uint16)[0]) for x in v)
         return (hi << 16) | lo
@@ -93,6 +97,9 @@ def run_warp(asm: str, inputs: list[list[int]], first_in: int, outputs: int) -> 
             if op == "mov.b32" and args[0].startswith("{"):   # unpack into two 16-bit registers
                 v = r[args[2]]
                 r[args[0][1:]], r[args[1][:-1]] = v & 0xFFFF, v >> 16
+                continue
+            if op == "mov.b32" and args[1].startswith("{"):   # pack two 16-bit registers (low half first)
+                r[args[0]] = r[args[1][1:]] | (r[args[2][:-1]] << 16)
                 continue
             v = [0 if x == "0f00000000" else int(x, 0) if x[0].isdigit() or x[0] == "-" else r[x]
                  for x in args[1:]]

@@ -201,11 +201,19 @@ def test_mma_kernels_build_for_sm90() -> None:
         assert rep["loop_converts"] == 0 and rep["spills"] == 0, rep
         assert rep["loop_ops"].get("HMMA", 0) == rep["weights_per_iter"] // 8, rep   # every mma in the loop
         assert rep["instructions_per_weight"] < 2.1, rep   # 1.66 (gate_up) and 1.88-1.92 (down) with Triton 3.6-3.9
+        # selector_fma: each word's 4 upper-selector shifts become f16x2 adds with the half swizzle folded in
+        # (no PRMT/MOV for it), so the integer ALU pipe loses 4 ops a word and nothing else is added
+        fma = sass_report(kernel, split, DEFAULT_CONFIG.prefetch, selector_fma=True)
+        ops, base = fma["loop_ops"], rep["loop_ops"]
+        moved = rep["weights_per_iter"] // 4          # 4 per word of 16 weights
+        assert ops.get("HADD2", 0) == moved and ops["SHF"] == base["SHF"] - moved, (ops, base)
+        assert ops["PRMT"] <= base["PRMT"] + 1 and ops.get("MOV", 0) <= base.get("MOV", 0), (ops, base)
+        assert fma["spills"] == 0, fma
 
 
-@pytest.mark.parametrize("terms", [1, 3])
+@pytest.mark.parametrize("terms,selector_fma", [(1, False), (3, False), (1, True), (3, True)])
 @needs_triton
-def test_mma_asm_emulated_against_direct_dot(terms: int) -> None:
+def test_mma_asm_emulated_against_direct_dot(terms: int, selector_fma: bool) -> None:
     """The inline PTX of the mma kernels, executed for one warp on a 16-row x 16-word tile in the lane layout
     the sm_90 build gives (see test_mma_kernels_build_for_sm90), with x in the pair layout of `_pack_x_kernel`
     and scale bytes as the kernels load them: the masked tile sum equals the plain dot of the dequantized rows."""
@@ -236,7 +244,7 @@ def test_mma_asm_emulated_against_direct_dot(terms: int) -> None:
         ops += [int(scales[8 * rho + g, 2 * t + i % 2]) for rho in range(2) for i in range(4)]
         ops += [xp[col][4 * t + a][4 * rho + i] for a in range(4) for rho in range(2) for i in range(4)]
         inputs.append(ops + [0] * 8)
-    outs = run_warp(w2_moe._mma_asm(), inputs, first_in=8, outputs=8)
+    outs = run_warp(w2_moe._mma_asm(selector_fma), inputs, first_in=8, outputs=8)
     got = np.zeros(16)
     for lane, out in enumerate(outs):
         g, t = lane >> 2, lane & 3

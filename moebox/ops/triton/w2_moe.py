@@ -45,7 +45,9 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   0x01008081 (4 ops per row and 32 columns; exact for scale bytes s <= 252). The selectors of a word are 4
   masked shifts ((cw << 4|2|0, >> 2) & 0x30303030 | 0x40404040) and their >> 16: pair j of a word holds codes
   c = j + (j & 4) (low half) and c + 4 (high half). Per word: 7 + 4 + 8 = 19 integer ops for 16 weights, plus
-  4 HMMA per 2 rows. Pair layout of x and h (int32 bf16x2 [token or pair, term, K tile of 16 words, 128
+  4 HMMA per 2 rows. With `selector_fma` (the default from 4 tokens) the 4 `>> 16` are f16x2 adds of -0 whose
+  operand takes the high half twice (HADD2 .H1_H1 in SASS, the FMA pipe): 15 integer ops a word.
+  Pair layout of x and h (int32 bf16x2 [token or pair, term, K tile of 16 words, 128
   slots], `_pair_slot`): in a K tile, pair 4 rho + jj of word 4 t + i is at slot 32 i + 16 rho + 4 t + jj, so
   each B-fragment load (word i, rep rho) is one 16-byte load a lane and the 4 lanes t read 64 contiguous bytes.
   The plain [word, pair] order had them 128 bytes apart: 4 L1 lines a load, and ncu showed the kernels L1-bound
@@ -89,7 +91,14 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   Next: gate-up is now issue-bound (ncu at N = 8: 67% SM throughput, 0.5 issued a cycle a scheduler, 128 registers,
   4 warps a scheduler), and 0.5 a cycle is what the integer ALU pipe takes (16 lanes a scheduler): PRMT, LOP3 and
   SHF are ~70% of the loop, so fewer ALU ops a weight is the lever (moving the shifts to the FMA pipe as IMAD.HI
-  lost, see above). Tried and dropped (eighteenth session, commit 07e2fd2 has the code): e4m3 weights, 4 a PRMT
+  lost, see above). `bench/pipe_probe.py` (twenty-fourth session, H200) measured the pipes: PRMT, LOP3, SHF and
+  F2FP (the e4m3 -> f16x2 conversion) share the integer ALU pipe (0.48 a cycle a scheduler alone, pairs no faster);
+  IMAD, HFMA2 and the swizzled HADD2 run beside it on the FMA pipe (pairs with LOP3 at twice the rate); IMAD.HI is
+  quarter rate and the loop's mix with it is no faster (why the IMAD.HI shifts lost). In that probe the loop's mix
+  took 9.39 cycles an SM and 7.74 with selector_fma; in the kernels it gains 1-5% from 4 tokens (N = 8: 160 -> 155
+  us, 16: 299 -> 286) and loses at 1-2 (N = 2: 51.6 -> 53.6; N = 1 at down split 16: 26.6 -> 31.5), where the longer
+  chain to the PRMT costs more than ALU issue saves, hence `default_config`.
+  Tried and dropped (eighteenth session, commit 07e2fd2 has the code): e4m3 weights, 4 a PRMT
   straight from a word's codes (9 integer ops a word instead of 19), the scale folded into the PRMT's table against
   a per-row reference exponent, x as e4m3 terms, into mma.sync m16n8k32 e4m3. ptxas emulates FP8 mma.sync on sm_90
   (each one 2 f16 HMMAs and F2FP conversions of the bytes): the loop went from 1.71 to 1.98 instructions a weight
@@ -153,8 +162,10 @@ from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, graph_us, interp
 class DecodeConfig:
     """Kernel variant and blocks (see the module doc). "mma": gate_split / down_split warps per program, each
     taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch: how many
-    K steps ahead the code/scale loads run (1 or 2). "fma": ROWS output rows x WORDS code words per program and
-    step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run "fma"."""
+    K steps ahead the code/scale loads run (1 or 2); selector_fma: the unpack's upper PRMT selectors moved by an f16x2
+    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`). "fma": ROWS output rows x WORDS
+    code words per program and step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run
+    "fma"."""
 
     gate_rows: int = 16
     gate_words: int = 32
@@ -168,6 +179,7 @@ class DecodeConfig:
     gate_split: int = 2
     down_split: int = 8
     prefetch: int = 1
+    selector_fma: bool = False
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
@@ -179,11 +191,15 @@ class DecodeConfig:
 DEFAULT_CONFIG = DecodeConfig()
 # one token: 16 warps a down program (256 programs; the sixteenth session's sweep: 27.7 against 30.0 us a call)
 BATCH1_CONFIG = replace(DEFAULT_CONFIG, down_split=16)
+# 4+ tokens, where the integer ALU pipe binds the kernels: the selectors' FMA-pipe move gained 1-5% there; at 1-2
+# tokens, where latency binds, it lost with the tilings those take (twenty-fourth session)
+MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
 
 
 def default_config(n: int) -> DecodeConfig:
-    """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth session)."""
-    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG
+    """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth and
+    twenty-fourth sessions)."""
+    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
 
 
 def expert_bytes(hidden: int, intermediate: int) -> int:
@@ -323,15 +339,17 @@ if HAVE_TRITON:
 
 
     # ------------------------------------------------------------------------------------ mma variant
-    def _mma_asm() -> str:
+    def _mma_asm(selector_fma: bool = False) -> str:
         """PTX for one pack of 8 elements of a [16*S, 16] word tile: one lane's words 4t..4t+3 (slot i) of its
         two rows (rep rho: rows g and g+8 of the m16n8k16 fragment). Operands: $0..$7 out acc, $8.. codes,
         $16.. scale bytes (slot 4 rho + b: scale block b of the lane), $24.. x (operand 24 + 8 i + q: pair q
         of word i), $56.. acc in. Slot 4 rho + i of acc holds D[row rho][column 2t + i % 2]; words 0-1 and
-        2-3 accumulate in two mma chains (i // 2)."""
+        2-3 accumulate in two mma chains (i // 2). selector_fma: see the selectors' loop."""
         codes, scales, xs, acc = 8, 16, 24, 56
         slot = (0, 1, 4, 5, 2, 3, 6, 7)   # D register k of chain k // 4 -> acc slot
         asm = ["{", ".reg .b32 lut<4>, lob<4>, y<4>, yh<4>, p<16>, t;", ".reg .f32 d<8>;"]
+        if selector_fma:
+            asm += [".reg .b32 mz;", ".reg .b16 lo, hi;", "mov.b32 mz, 0x80008000;"]   # mz: f16x2 (-0, -0)
         asm += [f"mov.b32 d{k}, ${acc + slot[k]};" for k in range(8)]
         for rho in range(2):
             for b in range(2):   # the bf16 high byte of each code's value and the shared low byte, see the doc
@@ -348,7 +366,14 @@ if HAVE_TRITON:
                         asm.append(shift.format(c=c))
                     asm.append(f"lop3.b32 y{q}, {src}, 0x30303030, 0x40404040, 0xea;")   # (a & b) | c
                 for q in range(4):
-                    asm += [f"shr.b32 yh{q}, y{q}, 16;", f"prmt.b32 p{8 * rho + q}, lob{i}, lut{i}, y{q};",
+                    # yh = y's high half in the low one (a PRMT selector is its low 16 bits). selector_fma: an
+                    # f16x2 add of -0 whose operand swizzle (.H1_H1) moves it, on the FMA pipe instead of a SHF on
+                    # the integer ALU pipe that the PRMTs and LOP3s saturate (the halves are normal f16 numbers,
+                    # 0x4040-0x7070, so the add is exact); it lengthens the chain to the PRMT, which costs where
+                    # latency binds (few tokens)
+                    asm += ([f"mov.b32 {{lo, hi}}, y{q};", f"mov.b32 yh{q}, {{hi, hi}};",
+                             f"add.rn.f16x2 yh{q}, yh{q}, mz;"] if selector_fma else [f"shr.b32 yh{q}, y{q}, 16;"])
+                    asm += [f"prmt.b32 p{8 * rho + q}, lob{i}, lut{i}, y{q};",
                             f"prmt.b32 p{8 * rho + 4 + q}, lob{i}, lut{i}, yh{q};"]
             for grp in range(4):
                 j0, j1 = 2 * grp, 2 * grp + 1
@@ -360,15 +385,20 @@ if HAVE_TRITON:
         return "\n".join(asm)
 
     _MMA_ASM = tl.constexpr(_mma_asm())
+    _MMA_ASM_SELECTOR_FMA = tl.constexpr(_mma_asm(selector_fma=True))
     _MMA_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 56))
 
     @triton.jit
-    def _mma_word_dot(cw, sb, x0, x1, x2, x3, acc):
+    def _mma_word_dot(cw, sb, x0, x1, x2, x3, acc, SELECTOR_FMA: tl.constexpr):
         """acc [16S, 16] fp32 += the tile's words (int32 cw) at scale bytes sb against x (int32 bf16x2 pairs,
         x_i: the 8 pairs of the lane's word i, 4 per rep) on the tensor cores, as laid out in `_mma_asm`."""
-        out = tl.inline_asm_elementwise(_MMA_ASM, _MMA_CONSTRAINTS,
-                                        [cw, sb.to(tl.int32), x0, x1, x2, x3, acc.to(tl.int32, bitcast=True)],
-                                        dtype=tl.int32, is_pure=True, pack=8)
+        operands = [cw, sb.to(tl.int32), x0, x1, x2, x3, acc.to(tl.int32, bitcast=True)]
+        if SELECTOR_FMA:
+            out = tl.inline_asm_elementwise(_MMA_ASM_SELECTOR_FMA, _MMA_CONSTRAINTS, operands, dtype=tl.int32,
+                                            is_pure=True, pack=8)
+        else:
+            out = tl.inline_asm_elementwise(_MMA_ASM, _MMA_CONSTRAINTS, operands, dtype=tl.int32, is_pure=True,
+                                            pack=8)
         return out.to(tl.float32, bitcast=True)
 
     @triton.jit
@@ -461,7 +491,8 @@ if HAVE_TRITON:
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
                             TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
-                            PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                            PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
+                            PDL: tl.constexpr):
         pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
         rw = tl.program_id(1)                       # 16 rows of I: one word of h
@@ -491,8 +522,8 @@ if HAVE_TRITON:
             if USE_ASM:
                 xb = x_row + wb * 8
                 x0, x1, x2, x3 = _b_fragments(xb)
-                acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g)
-                acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u)
+                acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g, SELECTOR_FMA)
+                acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u, SELECTOR_FMA)
             else:
                 acc_g += _plain_word_dot(c1, s1.to(tl.int32), x_row + wb * 8, TX, HW * 8)
                 acc_u += _plain_word_dot(c3, s3.to(tl.int32), x_row + wb * 8, TX, HW * 8)
@@ -527,7 +558,8 @@ if HAVE_TRITON:
     def _down_mma_kernel(hp_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr,
                          out_row_stride, c_expert_stride, s_expert_stride,
                          IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
-                         PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                         PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
+                         PDL: tl.constexpr):
         t = tl.program_id(0)
         rb = tl.program_id(1)
         g, sp, rho, w = _tile_coords(S)
@@ -556,7 +588,7 @@ if HAVE_TRITON:
             xb = hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8
             if USE_ASM:
                 x0, x1, x2, x3 = _b_fragments(xb)
-                acc = _mma_word_dot(c, s, x0, x1, x2, x3, acc)
+                acc = _mma_word_dot(c, s, x0, x1, x2, x3, acc, SELECTOR_FMA)
             else:
                 acc += _plain_word_dot(c, s.to(tl.int32), xb, TH, IW * 8)
             if PREFETCH == 2:
@@ -628,12 +660,12 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm,
+        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm,
+        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
 
 
@@ -855,7 +887,7 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
+def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
     """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
@@ -867,7 +899,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
-    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, PDL=False)
+    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
     sig = dict(zip(fn.arg_names, types))
     compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
                           num_stages=1)
@@ -886,7 +918,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2) -> dict:
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
      for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
-    + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
+    + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG), ("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16), hidden: int = 4096,
@@ -937,6 +969,7 @@ if __name__ == "__main__":  # python -m moebox.ops.triton.w2_moe [--sweep]
     print(versions())
     if "--sass" in sys.argv:   # no GPU needed
         for name, split in (("gate_up", DEFAULT_CONFIG.gate_split), ("down", DEFAULT_CONFIG.down_split)):
-            print(sass_report(name, split, DEFAULT_CONFIG.prefetch))
+            for selector_fma in (False, True):
+                print(sass_report(name, split, DEFAULT_CONFIG.prefetch, selector_fma))
     else:
         bench(configs=SWEEP if "--sweep" in sys.argv else (("default", None),))
