@@ -89,12 +89,16 @@ def test_fp8_round_is_nearest_e4m3_with_pow2_block_scale(d):
 
 
 def test_fp8_round_partial_last_block_stands_alone():
-    x = torch.randn(3, 100)
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     x[:, :64] *= 1000          # a large first block must not change the scale of the last 36 channels
     y = fp8_round(x)
     assert torch.equal(y[:, 64:], fp8_round(x[:, 64:].contiguous()))
     assert torch.equal(y[:, :64], fp8_round(x[:, :64].contiguous()))
-    assert ((y[:, 64:] - x[:, 64:]).abs() <= x[:, 64:].abs() * 2 ** -4 + 1e-6).all()
+    # half an e4m3 ulp at the last block's own scale: 2^-4 relative for normals, 2^-10 s absolute for subnormals
+    # (a bound of 2^-4 relative + 1e-6 failed now and then: a randn value below the block's smallest normal)
+    tail = x[:, 64:]
+    s = torch.exp2(torch.ceil(torch.log2(tail.abs().amax(dim=1, keepdim=True) / 448)))
+    assert ((y[:, 64:] - tail).abs() <= torch.maximum(tail.abs() * 2 ** -4, s * 2 ** -10)).all()
 
 
 # ---------------------------------------------------------------- FP4 e2m1 rounding and packing
