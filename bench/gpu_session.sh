@@ -47,8 +47,8 @@
 #   bash bench/gpu_session.sh attnsweep # the decode attention's tilings at batch 8 and 16 (CSA, HCA)
 #   bash bench/gpu_session.sh index     # the indexer's score kernel against the torch function, then decode at 4K
 #                                       # and 64K with it off / on (MOEBOX_INDEX_KERNEL)
-#   bash bench/gpu_session.sh pipes     # warp instructions a cycle and SM of PRMT, LOP3, SHF, F2FP, HFMA2, IMAD
-#                                       # alone and paired (bench/pipe_probe.py): which pipes a dequant can use
+#   bash bench/gpu_session.sh pipes     # warp instructions a cycle and SM of PRMT, LOP3, SHF, F2FP, HFMA2, IMAD...
+#                                       # alone, paired and in the gate-up loop's mix (bench/pipe_probe.py)
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
 #   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
 #   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in
@@ -202,7 +202,7 @@ index)
             --context 4096 65536 --batch 1 8 16 --no-breakdown
     done
     ;;
-pipes)                        # issue rates of the dequant's candidate instructions, alone and paired
+pipes)                        # issue rates of the unpack's candidate instructions, alone, paired and mixed
     step pipes python3 -m bench.pipe_probe
     ;;
 ncu)                          # hardware counters: DRAM throughput, stall reasons, occupancy of each launch

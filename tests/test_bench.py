@@ -181,9 +181,9 @@ OPCODES = {"lop3": "LOP3", "shf": "SHF", "prmt": "PRMT", "cvt_e4m3": "F2FP", "hf
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_pipe_probe_times_the_instructions_it_names():
-    """Each pair and mix of bench/pipe_probe.py, built for sm_90 on this machine, issues exactly the SASS
-    instructions it is named for in its loop (ptxas neither folds a chain away nor adds conversions), so the rates
-    it prints are those instructions' rates."""
+    """Each pair and mix of bench/pipe_probe.py, built for sm_90 on this machine, has in its loop as many of the
+    SASS instructions it is named for as it counts (ptxas neither folds a chain away, packs two into one, nor turns
+    a run-time multiply into a shift) and little else, so the rates it prints are those instructions' rates."""
     from bench import pipe_probe as pp
     from moebox.ops.triton.runtime import build_sm90, loop_sass
     per_op = pp.REPEAT * pp.ELEMS                  # one op of a step list, per loop iteration and thread
