@@ -392,13 +392,9 @@ if HAVE_TRITON:
     def _mma_word_dot(cw, sb, x0, x1, x2, x3, acc, SELECTOR_FMA: tl.constexpr):
         """acc [16S, 16] fp32 += the tile's words (int32 cw) at scale bytes sb against x (int32 bf16x2 pairs,
         x_i: the 8 pairs of the lane's word i, 4 per rep) on the tensor cores, as laid out in `_mma_asm`."""
-        operands = [cw, sb.to(tl.int32), x0, x1, x2, x3, acc.to(tl.int32, bitcast=True)]
-        if SELECTOR_FMA:
-            out = tl.inline_asm_elementwise(_MMA_ASM_SELECTOR_FMA, _MMA_CONSTRAINTS, operands, dtype=tl.int32,
-                                            is_pure=True, pack=8)
-        else:
-            out = tl.inline_asm_elementwise(_MMA_ASM, _MMA_CONSTRAINTS, operands, dtype=tl.int32, is_pure=True,
-                                            pack=8)
+        out = tl.inline_asm_elementwise(_MMA_ASM_SELECTOR_FMA if SELECTOR_FMA else _MMA_ASM, _MMA_CONSTRAINTS,
+                                        [cw, sb.to(tl.int32), x0, x1, x2, x3, acc.to(tl.int32, bitcast=True)],
+                                        dtype=tl.int32, is_pure=True, pack=8)
         return out.to(tl.float32, bitcast=True)
 
     @triton.jit
