@@ -25,8 +25,8 @@
 #                                       # branch at a time (MOEBOX_SIDE_PRIORITY=attention, mhc, moe, pack)
 #   bash bench/gpu_session.sh holdprobe # decode at batch 1, 2, 8 with each kernel's dependents held to its end
 #                                       # (MOEBOX_PDL_HOLD), HOLD_GROUP=1 / 2: the first / second ten kernels
-#   bash bench/gpu_session.sh overlapprobe # decode at batch 1, 2, 8 with no side streams against the default, twice;
-#                                       # batch-1 timelines with the shared expert beside / on the main stream
+#   bash bench/gpu_session.sh overlapprobe # decode at batch 1, 2, 8 with the shared expert on the main stream and
+#                                       # with no side streams against the default, twice; batch-1 kernel times
 #   bash bench/gpu_session.sh kerneltimes # one decode step's kernels at batch 1, 2, 3 (AB_BATCH), PDL on and off,
 #                                       # summed per kernel side by side (bench/timeline_kernels.py)
 #   bash bench/gpu_session.sh versions  # the decode bench of a base tree against this one, alternating in one call
@@ -69,10 +69,15 @@ decode_row() {                # decode_row SIZES NAME: the last decode bench's m
         | awk -F'|' -v s="$2" '{r = r $3 "/" $6} END {print s ":" r}' | tee -a "$out/summary.txt"
 }
 
+assignments() {               # assignments "A=1,B=x,y": the VAR=VALUE words of a comma list; a comma starts a new
+                              # assignment only before NAME=, so a value may hold commas (MOEBOX_OVERLAP=moe,mhc)
+    sed -E 's/,([A-Za-z_][A-Za-z0-9_]*=)/ \1/g' <<<"$1"
+}
+
 decode_switch() {             # decode_switch NAME SIZES SWITCH: the decode bench at AB_CONTEXT (4096) and SIZES (or
                               # AB_BATCH) with SWITCH's variables (A=1,B=2; `default`: none), its row in the summary
     local envs=""
-    [ "$3" != default ] && envs=${3//,/ }
+    [ "$3" != default ] && envs=$(assignments "$3")
     # shellcheck disable=SC2086  # envs holds several assignments, the sizes several numbers
     step "decode-$1" env $envs python3 -m moebox.bench.decode decode --context "${AB_CONTEXT:-4096}" \
         --batch ${AB_BATCH:-$2} --no-breakdown
@@ -176,11 +181,10 @@ kerneltimes)                  # one decode step's kernels at each of AB_BATCH (d
     python3 -m bench.timeline_kernels "${files[@]}" | tee -a "$out/summary.txt"
     ;;
 overlapprobe)                 # is the shared expert beside the routed experts a loss? (at batch 1 the pair took
-    # 31 us a layer, the routed ones alone 27.7 us a call in the w2 bench): decode with every branch on its side
-    # stream and with none, alternating, then batch-1 timelines (and step times) with every branch beside and with
-    # the shared expert on the main stream (MOEBOX_OVERLAP=attention,mhc,pack: decode_switch would split its commas)
+    # 31 us a layer, the routed ones alone 27.7 us a call in the w2 bench): decode with it on the main stream
+    # (MOEBOX_OVERLAP=attention,mhc,pack) and with no side streams, alternating, then batch-1 kernel times of both
     for round in ${ROUNDS:-1 2}; do
-        for switch in default MOEBOX_OVERLAP=0; do
+        for switch in default MOEBOX_OVERLAP=attention,mhc,pack MOEBOX_OVERLAP=0; do
             decode_switch "$switch-$round" "1 2 8" "$switch"
         done
     done
@@ -245,10 +249,10 @@ versions)                     # the decode bench of a base tree (BASE_DIR) again
     # BASE_DIR: a copy of the base commit made on the CPU box and carried, e.g. `mkdir -p .probe/base && git archive
     # HEAD | tar x -C .probe/base` (the device gets no .git); ORDER: "base" / "new", each optionally ":A=1,B=2"
     for spec in ${ORDER:-base new base new}; do
-        tree=${spec%%:*}; envs=""; [ "$spec" != "$tree" ] && envs=${spec#*:}
+        tree=${spec%%:*}; envs=""; [ "$spec" != "$tree" ] && envs=$(assignments "${spec#*:}")
         dir=.; [ "$tree" = base ] && dir=${BASE_DIR:?BASE_DIR: the base tree}
         # shellcheck disable=SC2086  # envs holds several assignments; AB_BATCH several sizes
-        step "decode-$spec" env -C "$dir" ${envs//,/ } python3 -m moebox.bench.decode decode \
+        step "decode-$spec" env -C "$dir" $envs python3 -m moebox.bench.decode decode \
             --context ${AB_CONTEXT:-4096} --batch ${AB_BATCH:-1 2 4 8 16} --no-breakdown
         decode_row "1 2 4 8 16" "$spec"
     done

@@ -13,13 +13,17 @@ session, has the H200's numbers).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, tl, triton
+from moebox.ops.triton.runtime import HAVE_TRITON, build_sm90, loop_sass, tl, triton
 
 REPEAT = 16          # ops of each kind per chain and asm block
 ITERS = 256          # asm blocks in a row (a loop): a launch runs ~1 ms, far above Python's launch cost
 ELEMS = 8            # independent chains a thread, 4 interleaved in each asm block
+WARPS = 4            # a program's; 16 programs an SM fill its 64 warp slots
+BLOCK = 32 * WARPS * ELEMS
 
 OPS = {   # one step of a chain on the 32-bit register {r} (read and written)
     "lop3": "lop3.b32 {r}, {r}, 0x33333333, 0x40404040, 0xEA;",
@@ -60,9 +64,10 @@ if HAVE_TRITON:
         tl.store(out_ptr + offs, x)
 
 
-def _asm(steps: list[str]) -> str:
-    """$0..$3 = $4..$7, then the steps in turn on the 4 registers round-robin (4 independent chains);
-    k1..k3: constants the FMAs take (bf16 / f16 ~1.0, a tiny addend); $8: 2^16 from memory."""
+def _asm(ops: Sequence[str]) -> str:
+    """$0..$3 = $4..$7, then the steps of `ops` (names in OPS) in turn on the 4 registers round-robin (4
+    independent chains); k1..k3: constants the FMAs take (bf16 / f16 ~1.0, a tiny addend); $8: 2^16 from memory."""
+    steps = [OPS[o] for o in ops]
     head = ("{ .reg .b32 k1, k2, k3, t0; mov.b32 k1, 0x3F813F81; mov.b32 k2, 0x00010001; mov.b32 k3, 0x3C013C01;"
             " mov.b32 $0, $4; mov.b32 $1, $5; mov.b32 $2, $6; mov.b32 $3, $7;")
     body = [steps[i % len(steps)].format(r=f"${j}") for i in range(REPEAT * len(steps)) for j in range(4)]
@@ -75,14 +80,24 @@ def clock_hz() -> tuple[float, str]:
     return (khz * 1e3, "reported") if khz else (1.98e9, "assumed: the H200's boost clock")
 
 
-def rate(steps: list[str], *, programs: int = 132 * 16, warps: int = 4) -> float:
-    """Warp instructions of the asm issued per SM and cycle (at `clock_hz`)."""
-    block = 32 * warps * ELEMS
-    out = torch.empty(programs * block, dtype=torch.int32, device="cuda")
+def sass_ops(ops: Sequence[str]) -> tuple[dict[str, int], int, bool]:
+    """(op counts of the loop body, spill bytes, whether there is a loop) of the chain kernel for `ops`, built for
+    sm_90 on any machine (no GPU needed): what `rate` times."""
+    k = build_sm90(_chain_kernel, {"out_ptr": "*i32", "mult_ptr": "*i32"},
+                   {"ASM": _asm(ops), "BLOCK": BLOCK, "ITERS": ITERS}, ["out_ptr", "mult_ptr"], num_warps=WARPS)
+    counts, _, spills, looped = loop_sass(k.asm["cubin"])
+    return counts, spills, looped
+
+
+def rate(ops: Sequence[str]) -> float:
+    """Warp instructions of the chains of `ops` issued per SM and cycle (at `clock_hz`)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    programs = 16 * sms
+    out = torch.empty(programs * BLOCK, dtype=torch.int32, device="cuda")
     mult = torch.full((1,), 1 << 16, dtype=torch.int32, device="cuda")
-    asm = _asm(steps)
-    run = lambda: _chain_kernel[(programs,)](out, mult, ASM=asm, BLOCK=block, ITERS=ITERS,
-                                                          num_warps=warps)  # noqa: E731
+    asm = _asm(ops)
+    run = lambda: _chain_kernel[(programs,)](out, mult, ASM=asm, BLOCK=BLOCK, ITERS=ITERS,  # noqa: E731
+                                             num_warps=WARPS)
     run()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -92,21 +107,19 @@ def rate(steps: list[str], *, programs: int = 132 * 16, warps: int = 4) -> float
     end.record()
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1e3 / 5
-    warp_instr = programs * warps * ELEMS * REPEAT * ITERS * len(steps)   # ELEMS / 4 blocks of 4 chains a thread
-    return warp_instr / seconds / clock_hz()[0] / torch.cuda.get_device_properties(0).multi_processor_count
+    warp_instr = programs * WARPS * ELEMS * REPEAT * ITERS * len(ops)   # ELEMS / 4 blocks of 4 chains a thread
+    return warp_instr / seconds / clock_hz()[0] / sms
 
 
 def main() -> None:
     hz, source = clock_hz()
     print(f"{torch.cuda.get_device_name()}, clock {hz / 1e9:.2f} GHz ({source})")
-    rows = [(name, [asm]) for name, asm in OPS.items()]
-    rows += [(f"{a}+{b}", [OPS[a], OPS[b]]) for a, b in PAIRS]
     print("| instructions | warp instr / cycle / SM |\n|---|---|")
-    for name, steps in rows:
-        print(f"| {name} | {rate(steps):.2f} |", flush=True)
+    for ops in [[name] for name in OPS] + [list(pair) for pair in PAIRS]:
+        print(f"| {'+'.join(ops)} | {rate(ops):.2f} |", flush=True)
     print("\n| mix of 22 warp instructions | warp instr / cycle / SM | cycles a warp-mix / SM |\n|---|---|---|")
     for name, ops in MIXES.items():
-        r = rate([OPS[o] for o in ops])
+        r = rate(ops)
         print(f"| {name} | {r:.2f} | {len(ops) / r:.2f} |", flush=True)
 
 

@@ -185,14 +185,10 @@ def test_pipe_probe_times_the_instructions_it_names():
     SASS instructions it is named for as it counts (ptxas neither folds a chain away, packs two into one, nor turns
     a run-time multiply into a shift) and little else, so the rates it prints are those instructions' rates."""
     from bench import pipe_probe as pp
-    from moebox.ops.triton.runtime import build_sm90, loop_sass
     per_op = pp.REPEAT * pp.ELEMS                  # one op of a step list, per loop iteration and thread
     cases = [[a, b] for a, b in pp.PAIRS] + list(pp.MIXES.values())
     for ops in cases:
-        k = build_sm90(pp._chain_kernel, {"out_ptr": "*i32", "mult_ptr": "*i32"},
-                       {"ASM": pp._asm([pp.OPS[o] for o in ops]), "BLOCK": 1024, "ITERS": pp.ITERS},
-                       ["out_ptr", "mult_ptr"], num_warps=4)
-        counts, _, spills, looped = loop_sass(k.asm["cubin"])
+        counts, spills, looped = pp.sass_ops(ops)
         want = collections.Counter(OPCODES[o] for o in ops)
         assert looped and spills == 0, (ops, counts)
         for opcode, n in want.items():   # IMAD may also count a few register moves and the loop's counter
