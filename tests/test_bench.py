@@ -6,8 +6,10 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +196,38 @@ def test_pipe_probe_times_the_instructions_it_names():
         for opcode, n in want.items():   # IMAD may also count a few register moves and the loop's counter
             assert per_op * n <= counts.get(opcode, 0) <= per_op * n + 8, (ops, opcode, counts)
         assert sum(counts.values()) <= per_op * len(ops) + 16, (ops, counts)   # + the loop's own few
+
+REPO = Path(__file__).resolve().parent.parent
+
+_DROP_SCRIPT = """
+import os, sys, torch
+sys.path.append(sys.argv[1])            # the repository's tests (the tiny model), after the hooked tree
+from tests.interpreter import tiny_model
+from moebox.bench.decode import _step_batch
+import moebox.model.moe as moe
+calls = []
+real = moe.MoE.routed
+moe.MoE.routed = lambda self, *a: calls.append(1) or real(self, *a)
+cfg, model = tiny_model()
+cache = model.new_cache(2, 64, "cpu")
+for _ in range(2):
+    model.forward(_step_batch(cfg, 2, 8, "cpu"), cache)
+print(len(calls), cfg.num_layers)
+"""
+
+
+def test_drop_probe_hooks_skip_the_part_they_name(tmp_path):
+    """bench/drop_probe.py's tree applies every part's hook to this checkout, and a dropped part (the routed
+    experts) runs once per layer in two decode steps, where the default tree runs it in each step."""
+    from bench.drop_probe import PATCHES, build
+    dest = build(tmp_path / "drop")
+    assert (dest / "moebox" / "drop.py").exists() and set(PATCHES) >= {"experts", "attn", "wo", "mix", "post"}
+    runs = {}
+    for drop in ("", "experts"):
+        out = subprocess.run([sys.executable, "-c", _DROP_SCRIPT, str(REPO)], cwd=dest, capture_output=True,
+                             text=True, env={**os.environ, "MOEBOX_DROP": drop, "PYTHONPATH": str(dest)},
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[drop] = out.stdout.split()
+    layers = int(runs[""][1])
+    assert int(runs[""][0]) == 2 * layers and int(runs["experts"][0]) == layers

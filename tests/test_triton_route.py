@@ -109,6 +109,23 @@ def test_fused_router_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_fused_router_builds_for_sm90(hidden):
+    """The fused router as V4 launches it (bf16 x and gate, E 256, k 6) compiles for sm_90 on any machine, with
+    its H loop run (7168 > one 4096 block) and not: the interpreter does not type-check what the GPU build does
+    (a loop-carried value whose dtype changed in the loop)."""
+    from moebox.ops.triton import route
+    from moebox.ops.triton.runtime import build_sm90
+    fn = route._router_route_kernel
+    const = dict(ROWS=route.ROUTER_ROWS, BLOCK_H=min(hidden, 4096), PDL=True,
+                 **route._routing_constants(256, torch.zeros(256), 6, "sqrtsoftplus", True))
+    types = {"x_ptr": "*bf16", "g_ptr": "*bf16", "count_ptr": "*i64", "ids_ptr": "*i64", "scaling": "fp32"}
+    sig = {a: types.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in const}
+    compiled = build_sm90(fn, sig, const, [a for a in sig if a.endswith("_ptr")], num_warps=4)
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_what_it_refuses():
     from moebox.ops.triton.route import route_triton, supported
     assert not supported(torch.zeros(2, 8), "softmax", 2)              # softmax scores: the torch path

@@ -1,0 +1,123 @@
+"""What each part of a decode step costs on its critical path: the step timed with that part skipped.
+
+A kernel's own time (the profiler, ncu) does not say what removing or speeding it up would gain: at batch 1 the
+step is a chain of dependent launches with side streams beside it, and PDL overlaps each launch with the one
+before. This writes a copy of the tree with hooks: `MOEBOX_DROP=part[,part]` makes each named part return what
+its first call returned (cached per layer and batch size, so the eager step before the graph capture fills the
+cache and the captured step launches nothing for it). The step time without the part, against the default, is
+what the part costs where it sits. The outputs are then wrong (the hidden states differ), which does not matter
+for the time at batch 1: every token routes to k experts whatever its values. At larger batches the number of
+distinct experts changes with the hidden states, and so does the step's work: read those rows with the bench's
+"weights GB" beside them.
+
+    python -m bench.drop_probe .probe/drop        # on the CPU box (the device has no .git), then carry .probe:
+    BASE_DIR=.probe/drop AB_BATCH=1 ORDER="base base:MOEBOX_DROP=experts base:MOEBOX_DROP=wo base" \\
+        bash bench/gpu_session.sh versions
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+from typing import Sequence
+
+HOOK = '''"""Probe only (bench/drop_probe.py): MOEBOX_DROP=a,b skips those parts of a decode step."""
+import os
+
+DROP = set(filter(None, os.environ.get("MOEBOX_DROP", "").split(",")))
+_cache = {}
+
+
+def cached(name, key, fn):
+    """fn() unless `name` is dropped; then what its first call with this key returned."""
+    if name not in DROP:
+        return fn()
+    if (name,) + key not in _cache:
+        _cache[(name,) + key] = fn()
+    return _cache[(name,) + key]
+'''
+
+# part -> [(file, text, replacement)]: each text must occur exactly once in the tree
+PATCHES: dict[str, list[tuple[str, str, str]]] = {
+    "qrope": [("moebox/ops/rope.py", """    if _kernel_takes(q, qi):
+        from moebox.ops.triton.rope import query_rope_triton""", """    from moebox.drop import DROP
+    if "qrope" in DROP and q.is_cuda:
+        return q, qi
+    if _kernel_takes(q, qi):
+        from moebox.ops.triton.rope import query_rope_triton""")],
+    "router": [("moebox/model/moe.py", """        idx, w = self.route(x, tokens)""", """        from moebox.drop import cached
+        idx, w = cached("router", (id(self), x.shape[0]), lambda: self.route(x, tokens))""")],
+    "experts": [("moebox/model/moe.py", """        out = self.routed(x, tokens)
+        shared_branch.join()""", """        from moebox.drop import cached
+        out = cached("experts", (id(self), x.shape[0]), lambda: self.routed(x, tokens))
+        shared_branch.join()"""), ("moebox/model/moe.py", """            return self.routed(x, tokens), None""", """            from moebox.drop import cached
+            return cached("experts", (id(self), x.shape[0]), lambda: self.routed(x, tokens)), None""")],
+    "shared": [("moebox/model/moe.py", """            shared = self.shared_expert(x)""", """            from moebox.drop import cached
+            shared = cached("shared", (id(self), x.shape[0]), lambda: self.shared_expert(x))""")],
+    "attn": [("moebox/model/attention.py", """            out = self._attend_decode(batch, q, idx, stored, cache)""", """            from moebox.drop import cached
+            out = cached("attn", (id(self), n), lambda: self._attend_decode(batch, q, idx, stored, cache))""")],
+    "wqa": [("moebox/model/attention.py", """        q_a, kv = self.from_x(x)""", """        from moebox.drop import cached
+        q_a, kv = cached("wqa", (id(self), n), lambda: self.from_x(x))""")],
+    "wqb": [("moebox/model/attention.py", """        q, *index_q = self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))""", """        from moebox.drop import cached
+        q, *index_q = cached("wqb", (id(self), n), lambda: self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps)))""")],
+    "wo": [("moebox/model/attention.py", """        o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
+        return linear(o.flatten(1), self.wo_b)""", """        from moebox.drop import cached
+        return cached("wo", (id(self), n), lambda: linear(grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a,
+                                                                         cfg.o_groups).flatten(1), self.wo_b))""")],
+    # mHC's hc_pre at each site (its coefficients' side stream off with it) and hc_post
+    "mix": [("moebox/model/block.py", """        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
+        x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)""", """        from moebox.drop import DROP, cached
+        coeffs = Branch(X, "mhc", enabled=decode and "mix" not in DROP, purpose="mhc")
+        x, post, comb = cached("mix", (id(self), id(hc), X.shape[0]), lambda: hc_pre(
+            X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+            coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials))""")],
+    "post": [("moebox/model/block.py", """        return hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)""",
+              """        from moebox.drop import cached
+        return cached("post", (id(self), id(hc), X.shape[0]), lambda: hc_post_chain(
+            out, X, post, comb, addend=addend, next_fn=next_fn if decode else None))""")],
+    "head": [("moebox/model/deepseek_v4.py", """        y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
+        return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)""", """        from moebox.drop import cached
+        return cached("head", (id(self), X.shape[0]), lambda: logits_linear(rms_norm(
+            hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps), self.norm,
+            self.cfg.rms_norm_eps), self.head))""")],
+}
+
+
+def build(dest: Path, source: Path | None = None) -> Path:
+    """Write the tree of `source`'s HEAD (the repository this file is in by default) to dest with the hooks of
+    every part; dest is replaced. Raises ValueError naming the part whose text the tree no longer has."""
+    source = source or Path(__file__).resolve().parent.parent
+    tar = subprocess.run(["git", "-C", str(source), "archive", "HEAD", "moebox", "bench", "pyproject.toml"],
+                         capture_output=True, check=True).stdout
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        t.extractall(dest, filter="data")
+    shutil.rmtree(dest / "moebox" / "demo_model", ignore_errors=True)   # the bench builds its own weights
+    (dest / "moebox" / "drop.py").write_text(HOOK)
+    for part, edits in PATCHES.items():
+        for file, text, replacement in edits:
+            path = dest / file
+            src = path.read_text()
+            if src.count(text) != 1:
+                raise ValueError(f"drop part {part!r}: {file} no longer has the text its hook replaces "
+                                 f"({src.count(text)} matches); update PATCHES in bench/drop_probe.py")
+            path.write_text(src.replace(text, replacement))
+    return dest
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("dest", type=Path, help="the folder to write the hooked tree to (replaced)")
+    args = p.parse_args(argv)
+    print(f"wrote {build(args.dest)}; parts: {', '.join(PATCHES)}")
+
+
+if __name__ == "__main__":
+    main()
