@@ -41,51 +41,53 @@ def cached(name, key, fn):
     return _cache[(name,) + key]
 '''
 
-# part -> [(file, text, replacement)]: each text must occur exactly once in the tree
+def _wrap(file: str, lhs: str, expr: str, part: str, key: str) -> tuple[str, str, str]:
+    """The hook of a statement `lhs expr` (lhs: its indent and target): expr through cached(part, key, ...)."""
+    return file, lhs + expr, f'{lhs}cached("{part}", {key}, lambda: {expr})'
+
+
+LAYER_KEY = "(id(self), x.shape[0])"
+ATTN_KEY = "(id(self), n)"
+
+# part -> [(file, text, replacement)]: each text must occur exactly once in the tree; a patched file imports
+# DROP and cached (IMPORT, after its `from __future__` line)
 PATCHES: dict[str, list[tuple[str, str, str]]] = {
     "qrope": [("moebox/ops/rope.py", """    if _kernel_takes(q, qi):
-        from moebox.ops.triton.rope import query_rope_triton""", """    from moebox.drop import DROP
-    if "qrope" in DROP and q.is_cuda:
+        from moebox.ops.triton.rope import query_rope_triton""", """    if "qrope" in DROP and q.is_cuda:
         return q, qi
     if _kernel_takes(q, qi):
         from moebox.ops.triton.rope import query_rope_triton""")],
-    "router": [("moebox/model/moe.py", """        idx, w = self.route(x, tokens)""", """        from moebox.drop import cached
-        idx, w = cached("router", (id(self), x.shape[0]), lambda: self.route(x, tokens))""")],
-    "experts": [("moebox/model/moe.py", """        out = self.routed(x, tokens)
-        shared_branch.join()""", """        from moebox.drop import cached
-        out = cached("experts", (id(self), x.shape[0]), lambda: self.routed(x, tokens))
-        shared_branch.join()"""), ("moebox/model/moe.py", """            return self.routed(x, tokens), None""", """            from moebox.drop import cached
-            return cached("experts", (id(self), x.shape[0]), lambda: self.routed(x, tokens)), None""")],
-    "shared": [("moebox/model/moe.py", """            shared = self.shared_expert(x)""", """            from moebox.drop import cached
-            shared = cached("shared", (id(self), x.shape[0]), lambda: self.shared_expert(x))""")],
-    "attn": [("moebox/model/attention.py", """            out = self._attend_decode(batch, q, idx, stored, cache)""", """            from moebox.drop import cached
-            out = cached("attn", (id(self), n), lambda: self._attend_decode(batch, q, idx, stored, cache))""")],
-    "wqa": [("moebox/model/attention.py", """        q_a, kv = self.from_x(x)""", """        from moebox.drop import cached
-        q_a, kv = cached("wqa", (id(self), n), lambda: self.from_x(x))""")],
-    "wqb": [("moebox/model/attention.py", """        q, *index_q = self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))""", """        from moebox.drop import cached
-        q, *index_q = cached("wqb", (id(self), n), lambda: self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps)))""")],
+    "router": [_wrap("moebox/model/moe.py", "        idx, w = ", "self.route(x, tokens)", "router", LAYER_KEY)],
+    "experts": [_wrap("moebox/model/moe.py", "        out = ", "self.routed(x, tokens)", "experts", LAYER_KEY),
+                _wrap("moebox/model/moe.py", "            return ", "self.routed(x, tokens)", "experts", LAYER_KEY)],
+    "shared": [_wrap("moebox/model/moe.py", "            shared = ", "self.shared_expert(x)", "shared", LAYER_KEY)],
+    "attn": [_wrap("moebox/model/attention.py", "            out = ", "self._attend_decode(batch, q, idx, stored, cache)",
+                   "attn", ATTN_KEY)],
+    "wqa": [_wrap("moebox/model/attention.py", "        q_a, kv = ", "self.from_x(x)", "wqa", ATTN_KEY)],
+    "wqb": [_wrap("moebox/model/attention.py", "        q, *index_q = ",
+                  "self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))", "wqb", ATTN_KEY)],
     "wo": [("moebox/model/attention.py", """        o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
-        return linear(o.flatten(1), self.wo_b)""", """        from moebox.drop import cached
-        return cached("wo", (id(self), n), lambda: linear(grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a,
-                                                                         cfg.o_groups).flatten(1), self.wo_b))""")],
+        return linear(o.flatten(1), self.wo_b)""", """        return cached("wo", (id(self), n), lambda: linear(grouped_linear(
+            out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups).flatten(1), self.wo_b))""")],
     # mHC's hc_pre at each site (its coefficients' side stream off with it) and hc_post
     "mix": [("moebox/model/block.py", """        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
         x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)""", """        from moebox.drop import DROP, cached
-        coeffs = Branch(X, "mhc", enabled=decode and "mix" not in DROP, purpose="mhc")
+                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)""",
+             """        coeffs = Branch(X, "mhc", enabled=decode and "mix" not in DROP, purpose="mhc")
         x, post, comb = cached("mix", (id(self), id(hc), X.shape[0]), lambda: hc_pre(
             X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
             coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials))""")],
-    "post": [("moebox/model/block.py", """        return hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)""",
-              """        from moebox.drop import cached
-        return cached("post", (id(self), id(hc), X.shape[0]), lambda: hc_post_chain(
-            out, X, post, comb, addend=addend, next_fn=next_fn if decode else None))""")],
+    "post": [_wrap("moebox/model/block.py", "        return ",
+                   "hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)", "post",
+                   "(id(self), id(hc), X.shape[0])")],
     "head": [("moebox/model/deepseek_v4.py", """        y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
-        return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)""", """        from moebox.drop import cached
-        return cached("head", (id(self), X.shape[0]), lambda: logits_linear(rms_norm(
+        return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)""", """        return cached("head", (id(self), X.shape[0]), lambda: logits_linear(rms_norm(
             hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps), self.norm,
             self.cfg.rms_norm_eps), self.head))""")],
 }
+
+
+IMPORT = "from moebox.drop import DROP, cached  # noqa: F401 - the probe's hooks\n"
 
 
 def build(dest: Path, source: Path | None = None) -> Path:
@@ -101,13 +103,16 @@ def build(dest: Path, source: Path | None = None) -> Path:
         t.extractall(dest, filter="data")
     shutil.rmtree(dest / "moebox" / "demo_model", ignore_errors=True)   # the bench builds its own weights
     (dest / "moebox" / "drop.py").write_text(HOOK)
+    future = "from __future__ import annotations\n"
     for part, edits in PATCHES.items():
         for file, text, replacement in edits:
             path = dest / file
             src = path.read_text()
-            if src.count(text) != 1:
+            if src.count(text) != 1 or future not in src:
                 raise ValueError(f"drop part {part!r}: {file} no longer has the text its hook replaces "
-                                 f"({src.count(text)} matches); update PATCHES in bench/drop_probe.py")
+                                 f"({src.count(text)} matches) or its __future__ import; update bench/drop_probe.py")
+            if IMPORT not in src:
+                src = src.replace(future, future + IMPORT, 1)
             path.write_text(src.replace(text, replacement))
     return dest
 

@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from moebox.config import parse_config
 from moebox.model.deepseek_v4 import DeepseekV4
 from moebox.ops.triton.runtime import HAVE_TRITON
 from moebox.weights.synth import preset_config
+from tests.interpreter import ROOT
 
 
 def _run(*args: str) -> str:
@@ -197,17 +197,14 @@ def test_pipe_probe_times_the_instructions_it_names():
             assert per_op * n <= counts.get(opcode, 0) <= per_op * n + 8, (ops, opcode, counts)
         assert sum(counts.values()) <= per_op * len(ops) + 16, (ops, counts)   # + the loop's own few
 
-REPO = Path(__file__).resolve().parent.parent
 
 _DROP_SCRIPT = """
-import os, sys, torch
+import sys
 sys.path.append(sys.argv[1])            # the repository's tests (the tiny model), after the hooked tree
-from tests.interpreter import tiny_model
+from tests.interpreter import count_calls, tiny_model
 from moebox.bench.decode import _step_batch
 import moebox.model.moe as moe
-calls = []
-real = moe.MoE.routed
-moe.MoE.routed = lambda self, *a: calls.append(1) or real(self, *a)
+calls = count_calls(moe.MoE, "routed")
 cfg, model = tiny_model()
 cache = model.new_cache(2, 64, "cpu")
 for _ in range(2):
@@ -224,7 +221,7 @@ def test_drop_probe_hooks_skip_the_part_they_name(tmp_path):
     assert (dest / "moebox" / "drop.py").exists() and set(PATCHES) >= {"experts", "attn", "wo", "mix", "post"}
     runs = {}
     for drop in ("", "experts"):
-        out = subprocess.run([sys.executable, "-c", _DROP_SCRIPT, str(REPO)], cwd=dest, capture_output=True,
+        out = subprocess.run([sys.executable, "-c", _DROP_SCRIPT, str(ROOT)], cwd=dest, capture_output=True,
                              text=True, env={**os.environ, "MOEBOX_DROP": drop, "PYTHONPATH": str(dest)},
                              timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
