@@ -344,8 +344,8 @@ if HAVE_TRITON:
         the shared expert's output to the routed one). PARTIALS: then the next site's partials of y as
         rounded (without POST: of X itself): ws[n, s, :M] = y[:, hs] . fn[:, :, hs] for this program's columns
         hs, and ws[n, s, M + j * HC + k] = y[j, hs] . y[k, hs] (the Gram matrix, from which `_mix_kernel`
-        gets both rms_norms)."""
-        pdl_start(PDL)
+        gets both rms_norms). The fn slice, a weight, is loaded before the PDL wait: its DRAM round trip
+        overlaps the kernel before."""
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         hh = s * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -353,6 +353,12 @@ if HAVE_TRITON:
         mh = hh < H
         mk = offs_k < HC
         dt = X_ptr.dtype.element_ty
+        if PARTIALS:
+            offs_m = tl.arange(0, M_PAD)
+            mm = offs_m < M
+            f = tl.load(fn_ptr + offs_m.to(tl.int64)[:, None, None] * stride_fm + (offs_k[:, None] * H + hh[None, :]
+                        )[None, :, :], mask=mm[:, None, None] & (mk[:, None] & mh[None, :])[None, :, :], other=0.0)
+        pdl_start(PDL)
         if POST:
             p = tl.load(post_ptr + n * stride_pn + offs_k * stride_pk, mask=mk, other=0.0).to(dt).to(tl.float32)
             o = tl.load(o_ptr + n * stride_on + hh, mask=mh, other=0.0).to(tl.float32)
@@ -371,10 +377,6 @@ if HAVE_TRITON:
             v = tl.load(X_ptr + n * stride_Xn + offs_k[:, None] * H + hh[None, :], mask=mk[:, None] & mh[None, :],
                         other=0.0).to(tl.float32)
         if PARTIALS:
-            offs_m = tl.arange(0, M_PAD)
-            mm = offs_m < M
-            f = tl.load(fn_ptr + offs_m.to(tl.int64)[:, None, None] * stride_fm + (offs_k[:, None] * H + hh[None, :]
-                        )[None, :, :], mask=mm[:, None, None] & (mk[:, None] & mh[None, :])[None, :, :], other=0.0)
             logits = tl.sum(tl.sum(f * v[None, :, :], axis=2), axis=1)
             gram = tl.sum(v[:, None, :] * v[None, :, :], axis=2)
             row = ws_ptr + (n * tl.num_programs(1) + s) * W_PAD

@@ -85,19 +85,23 @@ if HAVE_TRITON:
                              HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         """Program (r, n): token n's logits of experts r*ROWS.. (fp32 products and sums) into
         logits[n]; the last of token n's E / ROWS programs to finish (its counter, which only ever grows, reaches
-        a multiple of E / ROWS) routes the token from them."""
-        pdl_start(PDL)
+        a multiple of E / ROWS) routes the token from them. The first BLOCK_H columns of the gate rows, a weight,
+        are loaded before the PDL wait (all of them at V4's H <= BLOCK_H): their round trip overlaps the kernel
+        before."""
         r = tl.program_id(0)
         n = tl.program_id(1).to(tl.int64)
         rows = r * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
-        acc = tl.zeros((ROWS, BLOCK_H), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
+        g_rows = g_ptr + rows.to(tl.int64)[:, None] * stride_ge + cols[None, :]
+        g = tl.load(g_rows, mask=(cols < H)[None, :], other=0.0)
+        pdl_start(PDL)
+        x = tl.load(x_ptr + n * stride_xn + cols, mask=cols < H, other=0.0).to(tl.float32)
+        acc = g.to(tl.float32) * x[None, :]
+        for h0 in range(BLOCK_H, H, BLOCK_H):
             mh = h0 + cols < H
-            x = tl.load(x_ptr + n * stride_xn + h0 + cols, mask=mh, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_ge + h0 + cols[None, :], mask=mh[None, :],
-                        other=0.0).to(tl.float32)
-            acc += g * x[None, :]
+            xh = tl.load(x_ptr + n * stride_xn + h0 + cols, mask=mh, other=0.0).to(tl.float32)
+            gh = tl.load(g_rows + h0, mask=mh[None, :], other=0.0).to(tl.float32)
+            acc += gh * xh[None, :]
         tl.store(logits_ptr + n * E + rows, tl.sum(acc, axis=1))
         # every thread's store before one thread's release of the count; the last program's loads after its
         # acquire (and from L2: the other programs' stores are not in this SM's L1)
