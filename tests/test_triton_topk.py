@@ -5,14 +5,16 @@ equal torch.topk's), and each row's valid flag comes along. The rows themselves 
 equal scores. CPU: the kernel in Triton's interpreter under several tilings (the whole row held in registers,
 padded; a held head plus streamed [TK, NT] chunks, TK 1 or more; 32-bit count fields), on exact ties across
 chunks, -inf masks with fewer finite rows than k, k = E and k = 1, +-0, subnormals, NaN of either sign, +inf,
-rows of few distinct values; the tilings `config` picks; what the kernel refuses; and the tiny model's decode
-steps with MOEBOX_TOPK_KERNEL=1 against the torch top-k. GPU (marker `gpu`): V4-Flash rows (k 512, E 1024 to
+rows of few distinct values, and every such row through the rank kernel; the tilings `config` picks; what the kernel refuses; and the tiny model's decode
+steps with MOEBOX_TOPK_KERNEL=1 against the torch top-k (the rank kernel, then with MOEBOX_TOPK_RANK=0 the radix
+select). GPU (marker `gpu`): V4-Flash rows (k 512, E 1024 to
 70000: held, held + a one-entry tail, streamed, 32-bit fields; batch 1-16) under `config`'s tiling and the
 bench's sweep of tilings, outputs poisoned first, replayed from a CUDA graph; and the edge rows on the GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import textwrap
 
@@ -100,15 +102,20 @@ _SCRIPT = textwrap.dedent("""
             check_topk(s, v, k, rows, rv)
             results.append(dict(case=[list(s.shape), k, str(cfg)], same_buffer=True, finite=True, rel=0.0,
                                 ref_norm=1.0))
+    for s, v, k in cases(torch.Generator().manual_seed(7)):    # the rank kernel: every row
+        check_topk(s, v, k, *topk.index_topk_triton(s, v, k, rank=True))
+        results.append(dict(case=[list(s.shape), k, "rank"], same_buffer=True, finite=True, rel=0.0, ref_norm=1.0))
 
     # the tiny model's decode steps: the kernel's rows against torch's (same logits: no ties in these scores)
     from tests.interpreter import count_calls, switch_result, tiny_model
-    calls = count_calls(topk, "index_topk_triton")
+    calls, ranked = count_calls(topk, "index_topk_triton"), count_calls(topk, "_rank_topk")
     os.environ.update(MOEBOX_ATTENTION_KERNEL="0", MOEBOX_COMPRESS_KERNEL="0", MOEBOX_PREFILL_ATTENTION_KERNEL="0")
     cfg, model = tiny_model()
-    results.append(switch_result(model, cfg, "MOEBOX_TOPK_KERNEL", 12))
+    results.append(switch_result(model, cfg, "MOEBOX_TOPK_KERNEL", 12))     # its small rows: the rank kernel
+    os.environ["MOEBOX_TOPK_RANK"] = "0"
+    results.append(switch_result(model, cfg, "MOEBOX_TOPK_KERNEL", 12))     # the radix select
     csa = sum(1 for r, kind in zip(cfg.compress_ratios, cfg.attn_types) if kind == "csa")
-    assert csa and len(calls) == 12 * csa, (len(calls), csa)
+    assert csa and len(calls) == 24 * csa and len(ranked) == 12 * csa, (len(calls), len(ranked), csa)
     print("RESULT " + json.dumps(results))
 """)
 
@@ -161,21 +168,27 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 def test_gpu_v4_rows(entries: int, batch: int) -> None:
     """V4-Flash's k = 512 over 4K-64K contexts' entries (and past: streamed chunks, 32-bit fields), a third
-    masked (-inf), a run of ties, outputs poisoned, then the same call replayed from a CUDA graph on new scores."""
+    masked (-inf), a run of ties, outputs poisoned, then the same call replayed from a CUDA graph on new scores;
+    by the radix select and, on rows small enough, the rank kernel."""
     from moebox.ops.triton.topk import index_topk_triton
+    for rank in (False, True) if batch * entries <= 16 * 5000 else (False,):
+        _check_v4_rows(entries, batch, functools.partial(index_topk_triton, rank=rank))
+
+
+def _check_v4_rows(entries: int, batch: int, kernel) -> None:
     g = torch.Generator(device="cuda").manual_seed(entries + batch)
     scores = torch.randn(batch, entries, device="cuda", generator=g)
     valid = torch.rand(batch, entries, device="cuda", generator=g) > 0.33
     scores[:, 100:400] = 1.5                                    # ties around the k-th value
     scores = scores.masked_fill(~valid, float("-inf"))
     torch.full((1 << 22,), -1, dtype=torch.int64, device="cuda")   # poison the allocator's free blocks
-    rows, rv = index_topk_triton(scores, valid, 512)
+    rows, rv = kernel(scores, valid, 512)
     torch.cuda.synchronize()
     check_topk(scores, valid, 512, rows, rv)
     graph = torch.cuda.CUDAGraph()
     static = scores.clone()
     with torch.cuda.graph(graph):
-        out = index_topk_triton(static, valid, 512)
+        out = kernel(static, valid, 512)
     static.copy_(torch.randn(batch, entries, device="cuda", generator=g).masked_fill(~valid, float("-inf")))
     out[0].fill_(-1)
     graph.replay()
@@ -205,3 +218,5 @@ def test_gpu_edge_rows() -> None:
     for cfg in tilings():
         for s, v, k in cases(torch.Generator().manual_seed(3)):
             check_topk(s, v, k, *index_topk_triton(s.cuda(), v.cuda(), k, cfg))
+    for s, v, k in cases(torch.Generator().manual_seed(3)):
+        check_topk(s, v, k, *index_topk_triton(s.cuda(), v.cuda(), k, rank=True))

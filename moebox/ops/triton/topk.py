@@ -44,6 +44,16 @@ session), so the indexer takes it by default up to that length (`DEFAULT_MAX_ENT
 torch.topk until a bench shows the kernel ahead there too.
 tl.histogram is avoided: on sm_90 it lowers to shared-memory atomics (one per key and round).
 
+The rank kernel (small calls: batch x E^2 <= RANK_MAX_WORK, `rank_takes`; MOEBOX_TOPK_RANK=0 turns it off):
+the radix select is one program a row, ~5 rounds of block reductions one after the other: 6.4 us a call at
+batch 1 and 1025 entries, all of it on a CSA layer's critical path (21 a step). `_rank_topk_kernel` spreads a
+row over E / RANK_BLOCK programs instead: each ranks its RANK_BLOCK entries among the whole row (rank = the
+entries with a larger key, or an equal key at a lower index: a permutation of 0..E-1) from E comparisons each,
+counted in a [RANK_BLOCK, RANK_CHUNK] tile and summed once at the end, and writes the entries of rank < k to
+their rank's slot. No block reduction a round, no loop-carried search: one pass over the row (from L2) per
+program. Work grows as E^2 a row, hence the bound (V4-Flash at 4K context: batch <= 32; at 16K: batch <= 2).
+Ties go lowest index first.
+
 Semantics: `torch.topk(scores, k, sorted=False)` up to ties (torch leaves those unspecified) and the order of
 the k rows (callers do not depend on it); -inf rows (masked entries) are taken only when fewer than k rows are
 finite, as there. -0.0 ranks just below +0.0, and NaN (either sign) above +inf (torch also ranks NaN first).
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -69,6 +80,9 @@ NUM_WARPS = 8           # a row's program: NT = 32 x warps threads
 HELD_KEYS = 64          # keys a thread holds in registers at most (at 8 warps: 227 registers, no spill, sm_90)
 WIDE_FROM = 1 << 16     # rows from this many entries count in 32-bit fields (16-bit ones could overflow)
 DEFAULT_MAX_ENTRIES = 16385   # the model takes the kernel by default up to 64K tokens of context (measured there)
+RANK_BLOCK = 16         # entries a rank program ranks (1025 entries: 65 programs a row)
+RANK_CHUNK = 256        # entries it compares them with per step
+RANK_MAX_WORK = 32 * 1025 ** 2   # batch x E^2 comparisons up to which the rank kernel runs (4K context: batch 32)
 
 
 class Config(NamedTuple):
@@ -203,6 +217,42 @@ if HAVE_TRITON:
             offs = c0 + lane
             carry = _take(_keys(s_row, offs, E), offs, E, t, s, K, n_above, carry, v_row, rows_out, valid_out, FB)
 
+    @triton.jit
+    def _rank_topk_kernel(s_ptr, v_ptr, rows_ptr, rv_ptr, E, stride_s, stride_v, K: tl.constexpr,
+                          BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        """Program (c, b): the ranks of row b's entries c*BLOCK.. (keys larger, or equal at a lower index) by
+        comparing them with every entry of the row; those of rank < K go to their rank's slot. Chunks wholly
+        before or after the program's own entries need no index comparison (entries past E have key 0, below
+        every real key, and a higher index)."""
+        pdl_start(PDL)
+        c = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        s_row = s_ptr + b * stride_s
+        own = c * BLOCK + tl.arange(0, BLOCK)
+        ki = _keys(s_row, own, E)[:, None]                                           # [BLOCK, 1]
+        cols = tl.arange(0, CHUNK)
+        lo = c * BLOCK
+        count = tl.zeros((BLOCK, CHUNK), dtype=tl.int32)
+        for j0 in range(0, E, CHUNK):
+            oj = j0 + cols
+            kj = _keys(s_row, oj, E)[None, :]                                        # [1, CHUNK]
+            if j0 + CHUNK <= lo:
+                count += (kj >= ki).to(tl.int32)
+            elif j0 >= lo + BLOCK:
+                count += (kj > ki).to(tl.int32)
+            else:
+                count += ((kj > ki) | ((kj == ki) & (oj[None, :] < own[:, None]))).to(tl.int32)
+        rank = tl.sum(count, axis=1)
+        take = (rank < K) & (own < E)
+        tl.store(rows_ptr + b * K + rank, own.to(tl.int64), mask=take)
+        tl.store(rv_ptr + b * K + rank, tl.load(v_ptr + b * stride_v + own, mask=take, other=0), mask=take)
+
+
+def rank_takes(batch: int, entries: int) -> bool:
+    """Whether a call of `batch` rows of `entries` takes the rank kernel (see the module doc): batch x E^2 <=
+    RANK_MAX_WORK, unless MOEBOX_TOPK_RANK=0."""
+    return batch * entries * entries <= RANK_MAX_WORK and os.environ.get("MOEBOX_TOPK_RANK", "1") != "0"
+
 
 def supported(scores: torch.Tensor, valid: torch.Tensor, k: int) -> bool:
     """Whether `index_topk_triton` takes these arguments (see the module doc's Bounds)."""
@@ -211,16 +261,19 @@ def supported(scores: torch.Tensor, valid: torch.Tensor, k: int) -> bool:
             and valid.device == scores.device and 1 <= k <= scores.shape[1] <= MAX_ENTRIES)
 
 
-def index_topk_triton(scores: torch.Tensor, valid: torch.Tensor, k: int,
-                      cfg: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def index_topk_triton(scores: torch.Tensor, valid: torch.Tensor, k: int, cfg: Config | None = None,
+                      rank: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [B, E] fp32 (masked entries -inf), valid [B, E] bool -> (rows [B, k] int64, valid at those rows
     [B, k] bool): what `rows = scores.topk(k, sorted=False).indices; valid.gather(1, rows)` gives, up to ties
-    and order."""
+    and order. `rank`: the rank kernel (True) or the radix select (False; `cfg` its tiling); None: `rank_takes`
+    decides, unless a cfg is given."""
     if not supported(scores, valid, k):
         raise ValueError(f"index_topk_triton takes fp32 scores [B, E <= {MAX_ENTRIES}] with unit column stride, "
                          f"a bool valid of their shape and 1 <= k <= E; got {tuple(scores.shape)} {scores.dtype}, "
                          f"{tuple(valid.shape)} {valid.dtype}, k {k}")
     b, e = scores.shape
+    if rank or (rank is None and cfg is None and rank_takes(b, e)):
+        return _rank_topk(scores, valid, k)
     cfg = cfg or config(e)
     if max(cfg.hk, cfg.tk) > 8 or cfg.wide < (e >= WIDE_FROM) or cdiv(e, cfg.nt) + 8 >= 1 << 16:
         raise ValueError(f"{cfg} cannot count a row of {e} entries")   # nibbles <= 15, 16-bit fields
@@ -230,6 +283,18 @@ def index_topk_triton(scores: torch.Tensor, valid: torch.Tensor, k: int,
         _topk_kernel[(b,)](scores, valid.view(torch.uint8), rows, rvalid.view(torch.uint8), e, scores.stride(0),
                            valid.stride(0), K=k, NCH=cfg.nch, HK=cfg.hk, TK=cfg.tk, NT=cfg.nt, WIDE=cfg.wide,
                            num_warps=cfg.num_warps, **pdl_args(scores, _topk_kernel))
+    return rows, rvalid
+
+
+def _rank_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `_rank_topk_kernel` launch: grid (E / RANK_BLOCK, B)."""
+    b, e = scores.shape
+    rows = torch.empty((b, k), dtype=torch.int64, device=scores.device)
+    rvalid = torch.empty((b, k), dtype=torch.bool, device=scores.device)
+    if b:
+        _rank_topk_kernel[(cdiv(e, RANK_BLOCK), b)](
+            scores, valid.view(torch.uint8), rows, rvalid.view(torch.uint8), e, scores.stride(0), valid.stride(0),
+            K=k, BLOCK=RANK_BLOCK, CHUNK=RANK_CHUNK, num_warps=4, **pdl_args(scores, _rank_topk_kernel))
     return rows, rvalid
 
 
@@ -266,7 +331,8 @@ def bench(entries: Sequence[int] = (1025, 4097, 16385), batches: Sequence[int] =
           masked: float = 0.0) -> list[dict]:
     """us a call, replayed from a CUDA graph of `copies` calls on distinct inputs (triton's do_bench flushes
     L2 before each replay): the kernel (per config; None: `config`'s) vs torch.topk(sorted=False) + the valid
-    gather, the model's torch path. Each kernel result is checked first. Prints a table; returns its rows."""
+    gather, the model's torch path; and the rank kernel (config "rank") where `rank_takes` the call. Each kernel
+    result is checked first. Prints a table; returns its rows."""
     print(f"indexer top-k, k {k}, CUDA-graph replay of {copies} calls on distinct inputs, {masked:.0%} masked")
     print(f"{'E':>6s} {'B':>3s} {'config':44s} | {'triton us':>9s} | {'torch us':>8s} | speedup  ok")
     rows_out = []
@@ -276,16 +342,17 @@ def bench(entries: Sequence[int] = (1025, 4097, 16385), batches: Sequence[int] =
             kk = min(k, e)
             ref_us = (graph_us([functools.partial(_reference, s, v, kk) for s, v in inputs])
                       if torch_ref else float("nan"))
-            for cfg in configs:
-                cfg = cfg or config(e)
+            for cfg in [c or config(e) for c in configs] + (["rank"] if rank_takes(b, e) else []):
+                kw = dict(rank=True) if cfg == "rank" else dict(cfg=cfg, rank=False)
+                name = cfg if cfg == "rank" else str(cfg)[7:-1]
                 try:
-                    ok = check(*inputs[0], kk, *index_topk_triton(*inputs[0], kk, cfg))
-                    us = graph_us([functools.partial(index_topk_triton, s, v, kk, cfg) for s, v in inputs])
+                    ok = check(*inputs[0], kk, *index_topk_triton(*inputs[0], kk, **kw))
+                    us = graph_us([functools.partial(index_topk_triton, s, v, kk, **kw) for s, v in inputs])
                 except Exception as err:  # noqa: BLE001 - e.g. triton's OutOfResources: report, go on
-                    print(f"{e:6d} {b:3d} {str(cfg)[7:-1]:44s} | failed: {type(err).__name__}: {str(err)[:120]}")
+                    print(f"{e:6d} {b:3d} {name:44s} | failed: {type(err).__name__}: {str(err)[:120]}")
                     continue
                 rows_out.append({"E": e, "B": b, "config": cfg, "us": us, "torch_us": ref_us, "ok": ok})
-                print(f"{e:6d} {b:3d} {str(cfg)[7:-1]:44s} | {us:9.2f} | {ref_us:8.2f} | {ref_us / us:6.2f}x  "
+                print(f"{e:6d} {b:3d} {name:44s} | {us:9.2f} | {ref_us:8.2f} | {ref_us / us:6.2f}x  "
                       f"{'ok' if ok else 'WRONG'}", flush=True)
     return rows_out
 
