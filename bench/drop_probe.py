@@ -77,9 +77,8 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
         x, post, comb = cached("mix", (id(self), id(hc), X.shape[0]), lambda: hc_pre(
             X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
             coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials))""")],
-    # (at decode; with post-mix the next site's x is skipped with it)
-    "post": [_wrap("moebox/model/block.py", "        return ", """hc_post_chain(out, X, post, comb, addend=addend, next_fn=fn,
-                             next_mix=(base, scale, next_norm, cfg.hc_eps, cfg.rms_norm_eps))""", "post",
+    "post": [_wrap("moebox/model/block.py", "        return ",
+                   "hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)", "post",
                    "(id(self), id(hc), X.shape[0])")],
     "head": [("moebox/model/deepseek_v4.py", """        y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
         return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)""", """        return cached("head", (id(self), X.shape[0]), lambda: logits_linear(rms_norm(

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 import textwrap
 
 import pytest
@@ -209,7 +208,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     # one; hc 3 padded; case 1 with post/comb as a launch of their own; N 17: past the chain (no partials, the
     # norm apart)
     from moebox.ops.norm import rms_norm_reference
-    from moebox.ops.triton.mhc import NextMix, hc_post_chain_triton
+    from moebox.ops.triton.mhc import hc_post_chain_triton
     for i, (hc, H, n, dt) in enumerate([(4, 96, 1, torch.float32), (3, 64, 3, torch.float32),
                                         (4, 80, 2, torch.float16), (2, 64, 17, torch.float32)]):
         X, fn, base, scale = site(n, hc, H, dt, seed=30 + i)
@@ -231,30 +230,16 @@ _INTERPRETER_CHECK = textwrap.dedent("""
         ref = (rms_norm_reference(ref[0], w, 1e-6), *ref[1:])
         for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol_x, 4e-6, 4e-6)):
             add(f"{name}: pre {out}", g, r, b, t)
-        out_add = out, addend = torch.randn(n, H).to(dt), torch.randn(n, H).to(dt)
+        out, addend = torch.randn(n, H).to(dt), torch.randn(n, H).to(dt)
         Y, ws = hc_post_chain_triton(out, X, got[1], got[2], addend=addend, next_fn=fn2)
         assert (ws is None) == (n > 16)
         add(f"{name}: post + addend", Y, hc_post_reference(out + addend, X, got[1], got[2]), Y, tol)
         into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
-        pre1 = got
         got = hc_pre_triton(Y, fn2, base2, scale2, **kw, into=into, norm=w, partials=ws)
         ref = hc_pre_reference(Y, fn2, base2, scale2, **kw)
         ref = (rms_norm_reference(ref[0], w, 1e-6), *ref[1:])
         for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol_x, 4e-6, 4e-6)):
             add(f"{name}: pre from partials {out}", g, r, b, t)
-        if n > 16:
-            continue
-        # post-mix: hc_post's last program a token computes the next x; that hc_pre launches post/comb only
-        Y2, mixed = hc_post_chain_triton(out_add[0], X, pre1[1], pre1[2], addend=out_add[1], next_fn=fn2,
-                                         next_mix=NextMix(base2, scale2, w, 1e-6, 1e-6))
-        width = (2 + hc) * hc + hc * hc   # the written columns of a partial row
-        assert (mixed.x is not None) == (n <= 4) and torch.equal(Y2, Y)
-        assert torch.equal(mixed.ws[..., :width], ws.ws[..., :width])
-        into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
-        got = hc_pre_triton(Y2, fn2, base2, scale2, **kw, into=into, norm=w, partials=mixed,
-                            coeffs_branch=Branch(X, "mhc") if i == 1 else None)
-        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol_x, 4e-6, 4e-6)):
-            add(f"{name}: pre from post-mix {out}", g, r, b, t)
     print("RESULT " + json.dumps(results))
 """)
 
@@ -264,22 +249,19 @@ def test_chain_kernels_build_for_sm90() -> None:
     """The decode chain's kernels as the V4 decode step launches them (kernel B with the Gram partials and the
     norm, x programs and the coefficients' program; hc_post with the shared expert's add and the partials; the
     partials alone) compile for sm_90 on any machine: the interpreter does not type-check what the GPU build
-    does (the cancellation fallback's branch, the 3-D fn tile); post-mix within 128 registers."""
+    does (the cancellation fallback's branch, the 3-D fn tile)."""
     from moebox.ops.triton import mhc as kernels
-    from moebox.ops.triton.runtime import build_sm90, cubin_dump
+    from moebox.ops.triton.runtime import build_sm90
     dims = dict(HC=4, HC_PAD=4, M=24)
     fp32 = ("ws_ptr", "base_ptr", "scale_ptr", "post_ptr", "comb_ptr", "fn_ptr")
     for fn, const in [(kernels._mix_kernel, dict(M_PAD=64, S_PAD=128, BLOCK_H=1024, COEFFS=coeffs, GRAM=True,
                                                  NORM=not coeffs, PDL=True)) for coeffs in (False, True)] + [
             (kernels._post_kernel, dict(M_PAD=32, W_PAD=64, BLOCK_H=32, POST=post, ADD=post, PARTIALS=True,
-                                        MIX=mix, S_PAD=128, MIX_H=1024, MIX_BLOCKS=4, PDL=True))
-            for post, mix in ((True, False), (False, False), (True, True))]:
-        sig = {a: "*fp32" if a in fp32 else "*i64" if a == "count_ptr" else "*bf16" if a.endswith("_ptr") else
-               "fp32" if "eps" in a else "i32" for a in fn.arg_names if a not in {**dims, **const}}
+                                        PDL=True)) for post in (True, False)]:
+        sig = {a: "*fp32" if a in fp32 else "*bf16" if a.endswith("_ptr") else "fp32" if "eps" in a else "i32"
+               for a in fn.arg_names if a not in {**dims, **const}}
         compiled = build_sm90(fn, sig, {**dims, **const}, [a for a in sig if a.endswith("_ptr")], num_warps=4)
         assert "griddepcontrol.wait" in compiled.asm["ptx"], fn
-        if const.get("MIX"):   # post-mix's registers: 4 programs an SM (POST_MIX_MAX_N tokens in one wave)
-            assert int(re.search(r"REG:(\d+)", cubin_dump(compiled.asm["cubin"])[1]).group(1)) <= 128
 
 
 @pytest.mark.slow
@@ -396,10 +378,9 @@ def test_gpu_hc_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
 def test_gpu_decode_chain(n: int, dtype: torch.dtype) -> None:
     """Two mHC sites of the V4 shape as a decode step runs them: hc_pre with the norm (post/comb on a side
     stream), hc_post_chain with the shared expert's addend writing the next site's partials, hc_pre from
-    them; outputs poisoned; then hc_post computing the next x too (post-mix, up to 4 tokens). N = 17 is past
-    the chain: no partials, the norm apart, same results."""
+    them; outputs poisoned. N = 17 is past the chain: no partials, the norm apart, same results."""
     from moebox.ops.streams import Branch
-    from moebox.ops.triton.mhc import NextMix, hc_post_chain_triton, hc_pre_triton
+    from moebox.ops.triton.mhc import hc_post_chain_triton, hc_pre_triton
     hc, hidden = 4, 4096
     X, fn, base, scale = site(n, hc, hidden, dtype, "cuda", seed=n)
     _, fn2, base2, scale2 = site(n, hc, hidden, dtype, "cuda", seed=n + 1)
@@ -426,14 +407,6 @@ def test_gpu_decode_chain(n: int, dtype: torch.dtype) -> None:
     with matmul_tf32(False):
         assert rel_err(Y, hc_post_reference(out + addend, X, post, comb)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
     pre(Y, fn2, base2, scale2, partials)
-    poison_allocator()
-    Y2, mixed = hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=fn2,
-                                     next_mix=NextMix(base2, scale2, w, 1e-6, 1e-6))
-    torch.cuda.synchronize()
-    assert torch.equal(Y2, Y) and (mixed is None) == (n > 16)
-    if mixed is not None:
-        assert (mixed.x is not None) == (n <= 4)
-        pre(Y2, fn2, base2, scale2, mixed)
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | Non
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
            norm_eps: float, coeffs_branch: Branch | None = None, norm: torch.Tensor | None = None,
-           partials: object | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32). The fused path
     computes post and comb on `coeffs_branch`'s side stream when it is on: use them after its join().
     `norm`: the sub-block's RMSNorm weight; the input comes back normed, rms_norm(x, norm, norm_eps) (at
@@ -52,14 +52,12 @@ def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.
 
 def hc_post_chain(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
                   addend: torch.Tensor | None = None, next_fn: torch.Tensor | None = None,
-                  next_mix: tuple | None = None) -> tuple[torch.Tensor, object | None]:
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hc_post of out + addend (None: out alone) -> (X_new, partials for the next site's hc_pre, whose fn is
     `next_fn`, or None). The fused decode path writes both in one launch (moebox/ops/triton/mhc.py: the
-    decode chain), and with `next_mix` (that site's base, scale, norm weight, eps, norm_eps) at a few tokens
-    the partials bring its normed x along; elsewhere the partials are None and hc_pre computes its logits."""
+    decode chain); elsewhere the partials are None and hc_pre computes its logits itself."""
     if (f := _fused(X, out)) is not None and (addend is None or f.fused_supported(X, addend)):
-        return f.hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=next_fn,
-                                      next_mix=None if next_mix is None else f.NextMix(*next_mix))
+        return f.hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=next_fn)
     return hc_post_reference(out if addend is None else out + addend, X, post, comb), None
 
 

@@ -62,12 +62,6 @@ at batch 1 on the H200, 86 sites a step. In the chain:
     without the post), the last one writes none (the head computes its own).
   Per site on the main stream: kernel B and hc_post, 2 launches where there were 4 (fifteenth session:
   batch 1 5.91 -> 5.59 ms with the other launch cuts of that session, docs/benchmarks.md).
-  - Post-mix (up to POST_MIX_MAX_N tokens, `post_mix_takes`; MOEBOX_POST_MIX=0 turns it off): the last of a
-    token's 128 hc_post programs to finish (a per-token counter) reads all the partials and X_new back from L2
-    and computes the next site's normed x itself (kernel B's x code, `_site_norms` / `_site_pre` / `_site_x`),
-    so that site's hc_pre launches only the post/comb program, on the side stream: one mHC launch a site on
-    the main stream. Its price: one program's serial read of 64 KB from L2 at the end of hc_post, where kernel
-    B spread it over 4 programs after a launch.
 
 Bounds: any hc (padded to a power of 2 with masks), H, N (N = 0 gives empty outputs), iters >= 0; X must be
 [N, hc, H] fp32/bf16/fp16 and hc_post's out of X's dtype and shape [N, H], else the dispatchers run the
@@ -88,10 +82,9 @@ CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch 
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
@@ -141,10 +134,6 @@ GEMV_TILE_N = 4
 # columns of a chain partials program: 128 a token at H = 4096, each reading 12 KB of fn (with PostConfig's 4
 # warps the fastest at N = 1 and 4 of the sixteenth session's `--sweep-chain`; docs/benchmarks.md)
 CHAIN_BLOCK_H = 32
-# hc_post computes the next site's x up to this many tokens (`post_mix_takes`): its registers (~125 with the x's
-# column blocks unrolled) hold 4 of the chain's 128-a-token programs an SM, one wave up to 4 tokens
-POST_MIX_MAX_N = 4
-_mix_counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and programs a token; only grow
 
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
@@ -263,65 +252,16 @@ if HAVE_TRITON:
         _store_partials(ws_ptr, acc, sq, offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD)
 
     @triton.jit
-    def _row_mean_square(X_row, pre, offs_j, mj, H, BLOCK_H: tl.constexpr, CACHE: tl.constexpr):
+    def _row_mean_square(X_row, pre, offs_j, mj, H, BLOCK_H: tl.constexpr):
         """mean(x^2) over a token's row, x = sum_j pre_j X[j] rounded to X's dtype, summed directly."""
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
             Xt = tl.load(X_row + offs_j[:, None] * H + hh[None, :], mask=mj[:, None] & (hh < H)[None, :],
-                         other=0.0, cache_modifier=CACHE).to(tl.float32)
+                         other=0.0).to(tl.float32)
             x = tl.sum(pre[:, None] * Xt, axis=0).to(X_row.dtype.element_ty).to(tl.float32)
             acc += x * x
         return tl.sum(acc, axis=0) / H
-
-    @triton.jit
-    def _site_norms(ws_n, ms, offs_j, mj, K, norm_eps, M: tl.constexpr, HC: tl.constexpr, GRAM: tl.constexpr,
-                    CACHE: tl.constexpr):
-        """A token's (Gram matrix G of its streams (zeros without GRAM), rs = rsqrt(mean square + norm_eps)) from
-        its partial rows ws_n [S_PAD] (masked by ms): the sum of squares is trace(G) with GRAM, else column M."""
-        if GRAM:
-            jk = offs_j[:, None] * HC + offs_j[None, :]
-            g = tl.sum(tl.load(ws_n[:, None, None] + M + jk[None, :, :], cache_modifier=CACHE, other=0.0,
-                               mask=ms[:, None, None] & (mj[:, None] & mj[None, :])[None, :, :]), axis=0)
-            sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
-        else:
-            g = tl.zeros((offs_j.shape[0], offs_j.shape[0]), dtype=tl.float32)
-            sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0, cache_modifier=CACHE), axis=0)
-        return g, 1.0 / tl.sqrt(sumsq / K + norm_eps)
-
-    @triton.jit
-    def _site_pre(ws_n, ms, offs_j, mj, g, rs, base_ptr, scale_ptr, X_row, H, eps, norm_eps, NORM: tl.constexpr,
-                  BLOCK_H: tl.constexpr, CACHE: tl.constexpr):
-        """(pre = sigmoid(.) + eps [HC_PAD], the factor rsqrt(mean(x^2) + norm_eps) of the RMSNorm of x = sum_j
-        pre_j X[j] (NORM; else 1)): its mean square is pre^T G pre / H."""
-        pre_l = tl.sum(tl.load(ws_n[:, None] + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0,
-                               cache_modifier=CACHE), axis=0)
-        b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
-        pre = tl.sigmoid(pre_l * rs * tl.load(scale_ptr).to(tl.float32) + b_pre) + eps
-        inv = 1.0
-        if NORM:
-            pm = tl.where(mj, pre, 0.0)
-            q = pm[:, None] * g * pm[None, :]
-            ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
-            # its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to under 1/256 of
-            # that, the row's squares are summed directly instead (rare: 4 more loads of the token's X)
-            if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
-                ms_x = _row_mean_square(X_row, pre, offs_j, mj, H, BLOCK_H, CACHE)
-            inv = 1.0 / tl.sqrt(ms_x + norm_eps)
-        return pre, inv
-
-    @triton.jit
-    def _site_x(X_row, pre, inv, offs_j, mj, hh, H, norm_ptr, x_row, NORM: tl.constexpr, CACHE: tl.constexpr):
-        """x = sum_j pre_j X[j] over the columns hh, stored at x_row (NORM: rounded to X's dtype first, then
-        times inv and the norm weight, as rms_norm(x) computes it)."""
-        mh = hh < H
-        Xt = tl.load(X_row + offs_j[:, None] * H + hh[None, :], mask=mj[:, None] & mh[None, :], other=0.0,
-                     cache_modifier=CACHE).to(tl.float32)
-        x = tl.sum(pre[:, None] * Xt, axis=0)
-        if NORM:
-            w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
-            x = x.to(X_row.dtype.element_ty).to(tl.float32) * inv * w
-        tl.store(x_row + hh, x.to(x_row.dtype.element_ty), mask=mh)
 
     @triton.jit
     def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, norm_ptr,
@@ -343,13 +283,35 @@ if HAVE_TRITON:
         ms = offs_s < SPLIT
         mj = offs_j < HC
         ws_n = ws_ptr + (n.to(tl.int64) * SPLIT + offs_s) * M_PAD                       # [S_PAD]
-        g, rs = _site_norms(ws_n, ms, offs_j, mj, K, norm_eps, M, HC, GRAM, "")
+        if GRAM:
+            jk = offs_j[:, None] * HC + offs_j[None, :]
+            g = tl.sum(tl.load(ws_n[:, None, None] + M + jk[None, :, :],
+                               mask=ms[:, None, None] & (mj[:, None] & mj[None, :])[None, :, :], other=0.0), axis=0)
+            sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
+        else:
+            sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0), axis=0)
+        rs = 1.0 / tl.sqrt(sumsq / K + norm_eps)
         if ph >= 0:
-            X_row = X_ptr + n.to(tl.int64) * stride_Xn
-            pre, inv = _site_pre(ws_n, ms, offs_j, mj, g, rs, base_ptr, scale_ptr, X_row, H, eps, norm_eps, NORM,
-                                 BLOCK_H, "")
-            _site_x(X_row, pre, inv, offs_j, mj, ph * BLOCK_H + tl.arange(0, BLOCK_H), H, norm_ptr,
-                    x_ptr + n.to(tl.int64) * stride_xn, NORM, "")
+            pre_l = tl.sum(tl.load(ws_n[:, None] + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0),
+                           axis=0)
+            b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
+            pre = tl.sigmoid(pre_l * rs * tl.load(scale_ptr).to(tl.float32) + b_pre) + eps
+            hh = ph * BLOCK_H + tl.arange(0, BLOCK_H)
+            mh = hh < H
+            Xt = tl.load(X_ptr + n.to(tl.int64) * stride_Xn + offs_j[:, None] * H + hh[None, :],
+                         mask=mj[:, None] & mh[None, :], other=0.0).to(tl.float32)
+            x = tl.sum(pre[:, None] * Xt, axis=0)
+            if NORM:   # rms_norm(x rounded to X's dtype, weight); the mean square from G, before that rounding
+                pm = tl.where(mj, pre, 0.0)
+                q = pm[:, None] * g * pm[None, :]
+                ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
+                # its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to under 1/256 of
+                # that, the row's squares are summed directly instead (rare: 4 more loads of the token's X)
+                if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
+                    ms_x = _row_mean_square(X_ptr + n.to(tl.int64) * stride_Xn, pre, offs_j, mj, H, BLOCK_H)
+                w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
+                x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
+            tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
         elif COEFFS:
             post_l = tl.sum(tl.load(ws_n[:, None] + HC + offs_j[None, :], mask=ms[:, None] & mj[None, :],
                                     other=0.0), axis=0)
@@ -372,23 +334,18 @@ if HAVE_TRITON:
             tl.store(comb_ptr + n.to(tl.int64) * (HC * HC) + jk, c, mask=valid)
 
     @triton.jit
-    def _post_kernel(o_ptr, a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, count_ptr, base_ptr, scale_ptr,
-                     norm_ptr, x_ptr, H, eps, norm_eps,
+    def _post_kernel(o_ptr, a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, H,
                      stride_on, stride_an, stride_Xn, stride_yn, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
-                     stride_fm, stride_xn, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr,
-                     M_PAD: tl.constexpr, W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, POST: tl.constexpr,
-                     ADD: tl.constexpr, PARTIALS: tl.constexpr, MIX: tl.constexpr, S_PAD: tl.constexpr,
-                     MIX_H: tl.constexpr, MIX_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+                     stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                     W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr,
+                     PARTIALS: tl.constexpr, PDL: tl.constexpr):
         """POST: y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h] over BLOCK_H columns,
         coefficients rounded to X's dtype (ADD: o is the sum o + a, rounded to X's dtype, as the block adds
         the shared expert's output to the routed one). PARTIALS: then the next site's partials of y as
         rounded (without POST: of X itself): ws[n, s, :M] = y[:, hs] . fn[:, :, hs] for this program's columns
         hs, and ws[n, s, M + j * HC + k] = y[j, hs] . y[k, hs] (the Gram matrix, from which `_mix_kernel`
         gets both rms_norms). The fn slice, a weight, is loaded before the PDL wait: its DRAM round trip
-        overlaps the kernel before. MIX (with POST and PARTIALS): the last of token n's programs to finish (a
-        per-token counter at count_ptr, as the fused router's) also computes the next site's x from all the
-        partials, RMS-normed with the weight at norm_ptr (what `_mix_kernel`'s x programs would: base_ptr and
-        scale_ptr are the next site's), into x_ptr; y and the partials are read back from L2."""
+        overlaps the kernel before."""
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         hh = s * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -425,24 +382,6 @@ if HAVE_TRITON:
             row = ws_ptr + (n * tl.num_programs(1) + s) * W_PAD
             tl.store(row + offs_m, logits, mask=mm)
             tl.store(row + M + offs_k[:, None] * HC + offs_k[None, :], gram, mask=mk[:, None] & mk[None, :])
-        if MIX:
-            # every thread's stores before one thread's release of the count; the last program's loads after
-            # its acquire, with .cg (the other programs' stores are not in this SM's L1)
-            tl.debug_barrier()
-            blocks = tl.num_programs(1)
-            done = tl.atomic_add(count_ptr + n, 1, sem="acq_rel", scope="gpu")
-            tl.debug_barrier()
-            if done % blocks == blocks - 1:
-                offs_s = tl.arange(0, S_PAD)
-                ms = offs_s < blocks
-                ws_n = ws_ptr + (n * blocks + offs_s) * W_PAD
-                y_row = y_ptr + n * stride_yn
-                g, rs = _site_norms(ws_n, ms, offs_k, mk, HC * H, norm_eps, M, HC, True, ".cg")
-                pre, inv = _site_pre(ws_n, ms, offs_k, mk, g, rs, base_ptr, scale_ptr, y_row, H, eps, norm_eps,
-                                     True, MIX_H, ".cg")
-                for i in tl.static_range(MIX_BLOCKS):   # unrolled: every block's loads in flight at once
-                    _site_x(y_row, pre, inv, offs_k, mk, i * MIX_H + tl.arange(0, MIX_H), H, norm_ptr,
-                            x_ptr + n * stride_xn, True, ".cg")
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -540,9 +479,7 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     comb after the branch's join().
     `norm`: x comes out as rms_norm(x, norm, norm_eps). At decode sizes (`chain_takes`) kernel B does it from
     Gram partials, which `partials` (from `hc_post_chain_triton` with this site's fn) brings along, so hc_pre
-    is then that one launch (else `hc_partials_triton` computes them first); larger N norm apart. Partials
-    that bring x too (post-mix: `hc_post_chain_triton` was given this site's base, scale and norm as
-    `next_mix`) leave hc_pre only post and comb to launch."""
+    is then that one launch (else `hc_partials_triton` computes them first); larger N norm apart."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -565,44 +502,16 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     else:
         ws = _mix_logits(X, fn, m, cfg)
     mix = dict(norm=norm if gram else None, gram=gram)
-    mixed = partials.x if isinstance(partials, ChainPartials) else None   # post-mix: hc_post computed x
-    if mixed is not None:
-        if not gram:
-            raise ValueError("partials with x (post-mix) need this site's norm")
-        x = mixed if bx is None else bx.copy_(mixed)
     if coeffs_branch is None:
-        _mix(X, ws, m, base, scale, x if mixed is None else None, post, comb, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, post, comb, cfg, iters, eps, norm_eps, **mix)
     else:
-        if mixed is None:
-            _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:
             _mix(X, ws, m, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
         coeffs_branch.hold(ws)
     if norm is not None and not gram:   # past the chain's sizes: the norm apart
         x = rms_norm(x, norm, norm_eps) if bx is None else x.copy_(rms_norm(x, norm, norm_eps))
     return x, post, comb
-
-
-class ChainPartials(NamedTuple):
-    """What a decode site's hc_post leaves the next site's hc_pre: the partials ws [N, blocks, partials_width],
-    and with post-mix (`post_mix_takes`) that site's normed x [N, H] (else None: hc_pre computes it)."""
-    ws: torch.Tensor
-    x: torch.Tensor | None
-
-
-class NextMix(NamedTuple):
-    """What the next site's x needs beside its fn: its base and scale, its sub-block's RMSNorm weight, eps."""
-    base: torch.Tensor
-    scale: torch.Tensor
-    norm: torch.Tensor
-    eps: float
-    norm_eps: float
-
-
-def post_mix_takes(X: torch.Tensor) -> bool:
-    """Whether hc_post computes the next site's x itself (its last program a token, `_post_kernel`'s MIX) for
-    these streams: up to POST_MIX_MAX_N tokens, unless MOEBOX_POST_MIX=0."""
-    return 0 < X.shape[0] <= POST_MIX_MAX_N and os.environ.get("MOEBOX_POST_MIX", "1") != "0"
 
 
 def chain_takes(X: torch.Tensor) -> bool:
@@ -616,8 +525,7 @@ def partials_width(m: int, hc: int) -> int:
     return next_pow2(m + hc * hc)
 
 
-def _check_partials(ws: torch.Tensor | ChainPartials, n: int, m: int, hc: int) -> torch.Tensor:
-    ws = ws.ws if isinstance(ws, ChainPartials) else ws
+def _check_partials(ws: torch.Tensor, n: int, m: int, hc: int) -> torch.Tensor:
     if ws.dim() != 3 or ws.shape[0] != n or ws.shape[2] != partials_width(m, hc) or ws.dtype != torch.float32:
         raise ValueError(f"partials must be [{n}, splits, {partials_width(m, hc)}] fp32 (hc_post_chain_triton's "
                          f"for a fn of {m} rows), got {tuple(ws.shape)} {ws.dtype}")
@@ -640,26 +548,17 @@ def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb:
 
 def hc_post_chain_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
                          addend: torch.Tensor | None = None, next_fn: torch.Tensor | None = None,
-                         next_mix: NextMix | None = None, config: PostConfig | None = None,
-                         ) -> tuple[torch.Tensor, ChainPartials | None]:
+                         config: PostConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hc_post_triton of out + addend (rounded to X's dtype, as `out + addend`) -> (X_new, the next site's
-    chain partials for its fn `next_fn`, or None: no next_fn, or N past `chain_takes`), in one launch. With
-    `next_mix` (and N within `post_mix_takes`) the partials bring the next site's normed x along, computed in
-    the same launch, so that site's hc_pre launches only its post/comb program.
+    chain partials for its fn `next_fn`, or None: no next_fn, or N past `chain_takes`), in one launch.
     `config`: its tiling (with partials, block_h 0 means CHAIN_BLOCK_H)."""
-    if next_fn is None or not chain_takes(X):
-        return _post(out, addend, X, post, comb, None, config=config)[0], None
-    y, ws, x = _post(out, addend, X, post, comb, next_fn, config=config,
-                     mix=next_mix if post_mix_takes(X) else None)
-    return y, ChainPartials(ws, x)
+    return _post(out, addend, X, post, comb, next_fn if chain_takes(X) else None, config=config)
 
 
 def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor, post: torch.Tensor | None,
           comb: torch.Tensor | None, fn: torch.Tensor | None, into: torch.Tensor | None = None,
-          config: PostConfig | None = None, mix: NextMix | None = None,
-          ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The `_post_kernel` launch: hc_post (unless out is None), the chain partials for fn (unless None) and the
-    next site's normed x (with `mix`, which needs both) -> (X_new, partials, x)."""
+          config: PostConfig | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The `_post_kernel` launch: hc_post (unless out is None) and the chain partials for fn (unless None)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -678,7 +577,7 @@ def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor
         if fn.shape[1] != hc * hidden:
             raise ValueError(f"fn must be [M, {hc * hidden}], got {tuple(fn.shape)}")
     if n == 0 or hidden == 0:
-        return y, None if fn is None else torch.empty((n, 0, partials_width(m, hc)), device=X.device), None
+        return y, None if fn is None else torch.empty((n, 0, partials_width(m, hc)), device=X.device)
     cfg = config or PostConfig()
     block_h = (cfg.block_h or CHAIN_BLOCK_H) if fn is not None else _block_h(cfg.block_h, cfg.num_warps, X.dtype,
                                                                            hidden)
@@ -688,30 +587,14 @@ def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor
     o = _rows(out) if out is not None else X
     a = _rows(addend) if addend is not None else o
     p, c = (post, comb) if out is not None else (X, X)
-    x = count = None
-    if mix is not None:
-        if y is None or ws is None or n > POST_MIX_MAX_N or mix.base.numel() != m or mix.scale.numel() < 3 or \
-                tuple(mix.norm.shape) != (hidden,):
-            raise ValueError(f"post-mix needs hc_post with partials of up to {POST_MIX_MAX_N} tokens, the next "
-                             f"site's base [{m}], scale [3] and norm [{hidden}]")
-        x = torch.empty((n, hidden), dtype=X.dtype, device=X.device)
-        key = (X.device, blocks)
-        if key not in _mix_counters:
-            _mix_counters[key] = torch.zeros(POST_MIX_MAX_N, dtype=torch.int64, device=X.device)
-        count = _mix_counters[key]
-    mix_h = _block_h(0, cfg.num_warps, X.dtype, hidden)
     _post_kernel[(n, blocks)](
-        o, a, X, p, c, y if y is not None else X, fn if fn is not None else X, ws if ws is not None else X,
-        *(count, _rows(mix.base), _rows(mix.scale), mix.norm, x) if mix is not None else (X,) * 5, hidden,
-        *(mix.eps, mix.norm_eps) if mix is not None else (0.0, 0.0),
+        o, a, X, p, c, y if y is not None else X, fn if fn is not None else X, ws if ws is not None else X, hidden,
         o.stride(0), a.stride(0), X.stride(0), y.stride(0) if y is not None else 0,
         *(p.stride(0), p.stride(1), c.stride(0), c.stride(1), c.stride(2)) if out is not None else (0,) * 5,
-        fn.stride(0) if fn is not None else 0, x.stride(0) if x is not None else 0, HC=hc, HC_PAD=next_pow2(hc),
-        M=m, M_PAD=next_pow2(max(m, 1)), W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None,
-        ADD=addend is not None, PARTIALS=fn is not None, MIX=mix is not None, S_PAD=next_pow2(blocks),
-        MIX_H=mix_h, MIX_BLOCKS=cdiv(hidden, mix_h) if mix is not None else 1, num_warps=cfg.num_warps,
-        **pdl_args(X, _post_kernel))
-    return y, ws, x
+        fn.stride(0) if fn is not None else 0, HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=next_pow2(max(m, 1)),
+        W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None, ADD=addend is not None,
+        PARTIALS=fn is not None, num_warps=cfg.num_warps, **pdl_args(X, _post_kernel))
+    return y, ws
 
 
 def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
@@ -761,10 +644,9 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
     mixes = [hc_pre_reference(*site, **kw) for site in sites]
     norm = torch.ones(hidden, device=device, dtype=dtype)
 
-    def chain(i: int, mix: bool = False) -> tuple[torch.Tensor, ...]:   # a decode site's mHC: hc_post writing
-        X_new, ws = hc_post_chain_triton(                                 # the next partials (mix: and x)
-            outs[i], sites[i][0], mixes[i][1], mixes[i][2], next_fn=sites[i][1], config=post_config,
-            next_mix=NextMix(*sites[i][2:], norm, kw["eps"], kw["norm_eps"]) if mix else None)
+    def chain(i: int) -> tuple[torch.Tensor, ...]:   # a decode site's mHC: hc_post writing the next partials
+        X_new, ws = hc_post_chain_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2], next_fn=sites[i][1],
+                                         config=post_config)
         return hc_pre_triton(X_new, *sites[i][1:], **kw, norm=norm, partials=ws)
 
     def chain_ref(i: int) -> tuple[torch.Tensor, ...]:
@@ -776,8 +658,8 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
                         lambda i: hc_pre_reference(*sites[i], **kw)),
              "hc_post": (lambda i: hc_post_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2]),
                          lambda i: hc_post_reference(outs[i], sites[i][0], mixes[i][1], mixes[i][2])),
-             "chain": (chain, chain_ref), "chain_mix": (functools.partial(chain, mix=True), chain_ref)}
-    nbytes["chain"] = nbytes["chain_mix"] = nbytes["hc_pre"] + nbytes["hc_post"]
+             "chain": (chain, chain_ref)}
+    nbytes["chain"] = nbytes["hc_pre"] + nbytes["hc_post"]
     rows = []
     for op in ops:
         fused, ref = calls[op]
@@ -792,7 +674,7 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16, 2048), hc: int = 4,
           hidden: int = 4096, iters: int = 20, dtype: torch.dtype = torch.bfloat16, config: HcConfig | None = None,
-          ops: Sequence[str] = ("hc_pre", "hc_post", "chain", "chain_mix"), torch_ref: bool = True,
+          ops: Sequence[str] = ("hc_pre", "hc_post", "chain"), torch_ref: bool = True,
           l2_miss_bytes: int = 192 << 20, quiet: bool = False, post_config: PostConfig | None = None) -> list[dict]:
     """hc_pre and hc_post, fused vs torch, each replayed from a CUDA graph of `copies` calls on distinct
     inputs (fn, X, out) totalling >= l2_miss_bytes, so each call reads its bytes from DRAM as consecutive
@@ -808,7 +690,7 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
     rows = []
     for n in tokens:
         if n > GEMV_MAX_N:
-            ops = [op for op in ops if not op.startswith("chain")]   # decode sizes only
+            ops = [op for op in ops if op != "chain"]   # decode sizes only
         for r in _bench_n(n, device, hc, hidden, iters, dtype, config, ops, torch_ref, l2_miss_bytes, post_config):
             rows.append(r)
             if not quiet:
@@ -818,11 +700,10 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
         torch.cuda.empty_cache()
     if not quiet and "chain" in ops:
         for n in (t for t in tokens if t <= GEMV_MAX_N):
-            us = {r["op"]: 86 * r["us"] for r in rows if r["N"] == n}
-            print(f"per decode step at N={n} (43 layers x 2 sites): the chain {us['chain']:6.0f} us"
-                  + (f", with post-mix {us['chain_mix']:6.0f} us" if "chain_mix" in us else "")
-                  + f", pre + post apart {us.get('hc_pre', 0) + us.get('hc_post', 0):6.0f} us (without their "
-                  f"rms_norm launch)")
+            chained = 86 * sum(r["us"] for r in rows if r["N"] == n and r["op"] == "chain")
+            apart = 86 * sum(r["us"] for r in rows if r["N"] == n and r["op"] != "chain")
+            print(f"per decode step at N={n} (43 layers x 2 sites): the chain {chained:6.0f} us, pre + post "
+                  f"apart {apart:6.0f} us (without their rms_norm launch)")
     return rows
 
 
