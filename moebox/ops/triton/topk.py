@@ -51,8 +51,10 @@ row over E / RANK_BLOCK programs instead: each ranks its RANK_BLOCK entries amon
 entries with a larger key, or an equal key at a lower index: a permutation of 0..E-1) from E comparisons each,
 counted in a [RANK_BLOCK, RANK_CHUNK] tile and summed once at the end, and writes the entries of rank < k to
 their rank's slot. No block reduction a round, no loop-carried search: one pass over the row (from L2) per
-program. Work grows as E^2 a row, hence the bound (V4-Flash at 4K context: batch <= 32; at 16K: batch <= 2).
-Ties go lowest index first.
+program. Work grows as E^2 a row, hence the bound: on the H200 (twenty-sixth session, `python -m
+moebox.ops.triton.topk`) at 1025 entries 5.44 against the radix select's 6.46 us at batch 1, but 8.72 against
+7.20 at batch 8 and 12.94 against 7.32 at 16, and 12.88 against 10.62 at batch 1 and 4097 entries; so it takes
+batch <= 2 at 4K context and nothing longer. Ties go lowest index first.
 
 Semantics: `torch.topk(scores, k, sorted=False)` up to ties (torch leaves those unspecified) and the order of
 the k rows (callers do not depend on it); -inf rows (masked entries) are taken only when fewer than k rows are
@@ -82,7 +84,7 @@ WIDE_FROM = 1 << 16     # rows from this many entries count in 32-bit fields (16
 DEFAULT_MAX_ENTRIES = 16385   # the model takes the kernel by default up to 64K tokens of context (measured there)
 RANK_BLOCK = 16         # entries a rank program ranks (1025 entries: 65 programs a row)
 RANK_CHUNK = 256        # entries it compares them with per step
-RANK_MAX_WORK = 32 * 1025 ** 2   # batch x E^2 comparisons up to which the rank kernel runs (4K context: batch 32)
+RANK_MAX_WORK = 2 * 1025 ** 2    # batch x E^2 comparisons up to which the rank kernel runs (4K context: batch 2)
 
 
 class Config(NamedTuple):
@@ -331,7 +333,7 @@ def bench(entries: Sequence[int] = (1025, 4097, 16385), batches: Sequence[int] =
           masked: float = 0.0) -> list[dict]:
     """us a call, replayed from a CUDA graph of `copies` calls on distinct inputs (triton's do_bench flushes
     L2 before each replay): the kernel (per config; None: `config`'s) vs torch.topk(sorted=False) + the valid
-    gather, the model's torch path; and the rank kernel (config "rank") where `rank_takes` the call. Each kernel
+    gather, the model's torch path; and the rank kernel (config "rank") up to 16 x its bound. Each kernel
     result is checked first. Prints a table; returns its rows."""
     print(f"indexer top-k, k {k}, CUDA-graph replay of {copies} calls on distinct inputs, {masked:.0%} masked")
     print(f"{'E':>6s} {'B':>3s} {'config':44s} | {'triton us':>9s} | {'torch us':>8s} | speedup  ok")
@@ -342,7 +344,8 @@ def bench(entries: Sequence[int] = (1025, 4097, 16385), batches: Sequence[int] =
             kk = min(k, e)
             ref_us = (graph_us([functools.partial(_reference, s, v, kk) for s, v in inputs])
                       if torch_ref else float("nan"))
-            for cfg in [c or config(e) for c in configs] + (["rank"] if rank_takes(b, e) else []):
+            ranked = b * e * e <= 16 * RANK_MAX_WORK      # its times around its bound
+            for cfg in [c or config(e) for c in configs] + (["rank"] if ranked else []):
                 kw = dict(rank=True) if cfg == "rank" else dict(cfg=cfg, rank=False)
                 name = cfg if cfg == "rank" else str(cfg)[7:-1]
                 try:
