@@ -427,9 +427,7 @@ if HAVE_TRITON:
                          stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys, eps,
                          BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
                          NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        """y [N, OUT] (or a split's fp32 partials) = x @ dequant(w)^T on the CUDA cores; the first K step's
-        weight tile and scales are loaded before the PDL wait (weights: their DRAM round trip overlaps the kernel
-        before, where the x it multiplies is still being written), the step itself done after it."""
+        pdl_start(PDL)
         KC: tl.constexpr = BLOCK_K // 16   # 16-column chunks per row and K step (16 bytes of FP8)
         pid_n = tl.program_id(0)
         pid_o = tl.program_id(1)
@@ -454,20 +452,8 @@ if HAVE_TRITON:
         step0 = pid_k * STEPS_PER_SPLIT
         step1 = tl.minimum(step0 + STEPS_PER_SPLIT, tl.cdiv(IN, BLOCK_K))
         full = tl.minimum(step1, IN // BLOCK_K)
-        # the first step (full or the partial last one; none if the split is empty), its weights before the wait
-        k0 = step0 * BLOCK_K
-        lim = tl.where(step0 < step1, IN, 0)
-        w = tl.load(w_ptrs + k0, mask=(k0 + w_cols)[:, None] + vec[None, :] < lim, other=0.0)
-        sb = tl.load(s_ptrs + k0 // 128, mask=k0 + w_cols < lim, other=0) if SCALED else 0
-        pdl_start(PDL)
-        mask_x = (k0 + x_cols)[:, None] + vec[None, :] < lim
-        x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0)
-        if NORM:
-            x = x.to(tl.float32)
-            ss += x * x
-            x = x * tl.load(nw_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
-        acc = _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
-        for step in tl.range(step0 + 1, full, num_stages=NUM_STAGES):  # the other full steps: no masks
+        acc = tl.zeros((BLOCK_N, BLOCK_O, KC), dtype=tl.float32)
+        for step in tl.range(step0, full, num_stages=NUM_STAGES):  # full steps: no masks
             k0 = step * BLOCK_K
             x = tl.load(x_ptrs + k0)
             if NORM:
@@ -477,7 +463,7 @@ if HAVE_TRITON:
             w = tl.load(w_ptrs + k0)
             sb = tl.load(s_ptrs + k0 // 128) if SCALED else 0
             acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
-        if (full < step1) & (full > step0):  # the partial last step is in this split, not its first
+        if full < step1:  # the partial last step is in this split
             k0 = full * BLOCK_K
             mask_x = (k0 + x_cols)[:, None] + vec[None, :] < IN
             x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0)
