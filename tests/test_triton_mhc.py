@@ -257,7 +257,7 @@ def test_chain_kernels_build_for_sm90() -> None:
     for fn, const in [(kernels._mix_kernel, dict(M_PAD=64, S_PAD=128, BLOCK_H=1024, COEFFS=coeffs, GRAM=True,
                                                  NORM=not coeffs, PDL=True)) for coeffs in (False, True)] + [
             (kernels._post_kernel, dict(M_PAD=32, W_PAD=64, BLOCK_H=32, POST=post, ADD=post, PARTIALS=True,
-                                        PDL=True)) for post in (True, False)]:
+                                        EARLY=early, PDL=True)) for post in (True, False) for early in (True, False)]:
         sig = {a: "*fp32" if a in fp32 else "*bf16" if a.endswith("_ptr") else "fp32" if "eps" in a else "i32"
                for a in fn.arg_names if a not in {**dims, **const}}
         compiled = build_sm90(fn, sig, {**dims, **const}, [a for a in sig if a.endswith("_ptr")], num_warps=4)

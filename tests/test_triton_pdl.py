@@ -103,6 +103,17 @@ def test_pdl_hold_names_kernels(monkeypatch):
     assert not pdl_held(fp8_linear._fp8_linear_kernel) and not pdl_held(decode_attention._combine_kernel)
 
 
+def test_early_loads_up_to_two_tokens_unless_switched(monkeypatch):
+    from moebox.ops.triton.runtime import early_loads
+    monkeypatch.delenv("MOEBOX_EARLY_LOADS_MAX_N", raising=False)
+    assert early_loads(1) and early_loads(2) and not early_loads(3)
+    monkeypatch.setenv("MOEBOX_EARLY_LOADS_MAX_N", "0")
+    assert not early_loads(1)
+    monkeypatch.setenv("MOEBOX_EARLY_LOADS_MAX_N", "all")
+    with pytest.raises(ValueError, match="MOEBOX_EARLY_LOADS_MAX_N"):
+        early_loads(1)
+
+
 def test_pdl_is_on_unless_switched_off_and_never_for_cpu_tensors(monkeypatch):
     from moebox.ops.triton.runtime import pdl_switched_on
     monkeypatch.delenv("MOEBOX_PDL", raising=False)
@@ -127,7 +138,7 @@ def test_the_hopper_build_waits_before_its_first_load():
     ptrs = ("o_ptr", "a_ptr", "X_ptr", "post_ptr", "comb_ptr", "y_ptr", "fn_ptr", "ws_ptr")
     for pdl in (True, PDL_HOLD, False):
         const = dict(HC=4, HC_PAD=4, M=24, M_PAD=32, W_PAD=64, BLOCK_H=1024, POST=True, ADD=False, PARTIALS=False,
-                     PDL=pdl)
+                     EARLY=True, PDL=pdl)
         sig = {a: "*bf16" if a in ("o_ptr", "a_ptr", "X_ptr", "y_ptr") else "*fp32" if a in ptrs else
                "constexpr" if a in const else "i32" for a in fn.arg_names}
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in const.items()})

@@ -9,6 +9,7 @@ bf16 logits, replayed from a CUDA graph.
 from __future__ import annotations
 
 import importlib.util
+import re
 import textwrap
 
 import pytest
@@ -117,12 +118,14 @@ def test_fused_router_builds_for_sm90(hidden):
     from moebox.ops.triton import route
     from moebox.ops.triton.runtime import build_sm90
     fn = route._router_route_kernel
-    const = dict(ROWS=route.ROUTER_ROWS, BLOCK_H=min(hidden, 4096), PDL=True,
-                 **route._routing_constants(256, torch.zeros(256), 6, "sqrtsoftplus", True))
-    types = {"x_ptr": "*bf16", "g_ptr": "*bf16", "count_ptr": "*i64", "ids_ptr": "*i64", "scaling": "fp32"}
-    sig = {a: types.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in const}
-    compiled = build_sm90(fn, sig, const, [a for a in sig if a.endswith("_ptr")], num_warps=4)
-    assert "griddepcontrol.wait" in compiled.asm["ptx"]
+    for early in (True, False):   # the gate rows' loads before the PDL wait, or after it
+        const = dict(ROWS=route.ROUTER_ROWS, BLOCK_H=min(hidden, 4096), EARLY=early, PDL=True,
+                     **route._routing_constants(256, torch.zeros(256), 6, "sqrtsoftplus", True))
+        types = {"x_ptr": "*bf16", "g_ptr": "*bf16", "count_ptr": "*i64", "ids_ptr": "*i64", "scaling": "fp32"}
+        sig = {a: types.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in const}
+        ptx = build_sm90(fn, sig, const, [a for a in sig if a.endswith("_ptr")], num_warps=4).asm["ptx"]
+        wait, first_load = ptx.find("griddepcontrol.wait"), re.search(r"\bld\.global", ptx).start()
+        assert wait >= 0 and (first_load < wait) == early
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

@@ -92,8 +92,8 @@ from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_referenc
 from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, graph_us, next_pow2,  # noqa: F401
-                                       num_sms, pdl_args, pdl_start, rel_err, tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, early_loads, graph_us,  # noqa: F401
+                                       next_pow2, num_sms, pdl_args, pdl_start, rel_err, tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -338,13 +338,13 @@ if HAVE_TRITON:
                      stride_on, stride_an, stride_Xn, stride_yn, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
                      stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
                      W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr,
-                     PARTIALS: tl.constexpr, PDL: tl.constexpr):
+                     PARTIALS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """POST: y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h] over BLOCK_H columns,
         coefficients rounded to X's dtype (ADD: o is the sum o + a, rounded to X's dtype, as the block adds
         the shared expert's output to the routed one). PARTIALS: then the next site's partials of y as
         rounded (without POST: of X itself): ws[n, s, :M] = y[:, hs] . fn[:, :, hs] for this program's columns
         hs, and ws[n, s, M + j * HC + k] = y[j, hs] . y[k, hs] (the Gram matrix, from which `_mix_kernel`
-        gets both rms_norms). The fn slice, a weight, is loaded before the PDL wait: its DRAM round trip
+        gets both rms_norms). EARLY: the fn slice, a weight, is loaded before the PDL wait: its DRAM round trip
         overlaps the kernel before."""
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
@@ -356,9 +356,15 @@ if HAVE_TRITON:
         if PARTIALS:
             offs_m = tl.arange(0, M_PAD)
             mm = offs_m < M
-            f = tl.load(fn_ptr + offs_m.to(tl.int64)[:, None, None] * stride_fm + (offs_k[:, None] * H + hh[None, :]
-                        )[None, :, :], mask=mm[:, None, None] & (mk[:, None] & mh[None, :])[None, :, :], other=0.0)
+            f_ptrs = fn_ptr + offs_m.to(tl.int64)[:, None, None] * stride_fm + (offs_k[:, None] * H + hh[None, :]
+                                                                             )[None, :, :]
+            f_mask = mm[:, None, None] & (mk[:, None] & mh[None, :])[None, :, :]
+            if EARLY:
+                f = tl.load(f_ptrs, mask=f_mask, other=0.0)
         pdl_start(PDL)
+        if PARTIALS:
+            if EARLY == 0:
+                f = tl.load(f_ptrs, mask=f_mask, other=0.0)
         if POST:
             p = tl.load(post_ptr + n * stride_pn + offs_k * stride_pk, mask=mk, other=0.0).to(dt).to(tl.float32)
             o = tl.load(o_ptr + n * stride_on + hh, mask=mh, other=0.0).to(tl.float32)
@@ -593,7 +599,7 @@ def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor
         *(p.stride(0), p.stride(1), c.stride(0), c.stride(1), c.stride(2)) if out is not None else (0,) * 5,
         fn.stride(0) if fn is not None else 0, HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=next_pow2(max(m, 1)),
         W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None, ADD=addend is not None,
-        PARTIALS=fn is not None, num_warps=cfg.num_warps, **pdl_args(X, _post_kernel))
+        PARTIALS=fn is not None, EARLY=early_loads(n), num_warps=cfg.num_warps, **pdl_args(X, _post_kernel))
     return y, ws
 
 

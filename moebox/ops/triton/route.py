@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, next_pow2, pdl_args, pdl_start,  # noqa: F401
+from moebox.ops.triton.runtime import (HAVE_TRITON, early_loads, next_pow2, pdl_args, pdl_start,  # noqa: F401
                                        tl, triton)
 
 SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}   # softmax scores are not taken (the torch path routes them)
@@ -82,19 +82,22 @@ if HAVE_TRITON:
     def _router_route_kernel(x_ptr, g_ptr, bias_ptr, logits_ptr, count_ptr, ids_ptr, w_ptr, E, H, stride_xn,
                              stride_ge, scaling, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
                              K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """Program (r, n): token n's logits of experts r*ROWS.. (fp32 products and sums) into
         logits[n]; the last of token n's E / ROWS programs to finish (its counter, which only ever grows, reaches
-        a multiple of E / ROWS) routes the token from them. The first BLOCK_H columns of the gate rows, a weight,
-        are loaded before the PDL wait (all of them at V4's H <= BLOCK_H): their round trip overlaps the kernel
-        before."""
+        a multiple of E / ROWS) routes the token from them. EARLY: the first BLOCK_H columns of the gate rows, a
+        weight, are loaded before the PDL wait (all of them at V4's H <= BLOCK_H): their round trip overlaps the
+        kernel before."""
         r = tl.program_id(0)
         n = tl.program_id(1).to(tl.int64)
         rows = r * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         g_rows = g_ptr + rows.to(tl.int64)[:, None] * stride_ge + cols[None, :]
-        g = tl.load(g_rows, mask=(cols < H)[None, :], other=0.0)
+        if EARLY:
+            g = tl.load(g_rows, mask=(cols < H)[None, :], other=0.0)
         pdl_start(PDL)
+        if EARLY == 0:
+            g = tl.load(g_rows, mask=(cols < H)[None, :], other=0.0)
         x = tl.load(x_ptr + n * stride_xn + cols, mask=cols < H, other=0.0).to(tl.float32)
         acc = g.to(tl.float32) * x[None, :]
         for h0 in range(BLOCK_H, H, BLOCK_H):
@@ -188,6 +191,6 @@ def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     _router_route_kernel[(e // ROUTER_ROWS, n)](
         x, gate, gate if bias is None else bias, logits, _counters[key], ids, w, e, h, x.stride(0),
         gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096),
-        **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), num_warps=4,
+        **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), EARLY=early_loads(n), num_warps=4,
         **pdl_args(x, _router_route_kernel))
     return ids, w

@@ -81,6 +81,23 @@ def default_hold(when: bool, switch: str) -> bool:
     return when and os.environ.get(switch) != "0"
 
 
+EARLY_LOADS_MAX_N = 2
+
+
+def early_loads(tokens: int) -> bool:
+    """Whether mHC's chain post kernel and the fused router load their weights (the next site's fn slice, the
+    gate rows) before their PDL wait at this many tokens: up to EARLY_LOADS_MAX_N, or the bound that
+    MOEBOX_EARLY_LOADS_MAX_N sets (0: never). On the H200 (twenty-sixth session, docs/benchmarks.md) the early
+    loads went with batch 1 5.00-5.04 -> 4.91 ms and batch 2 6.34 -> 6.24 (with the rank top-k), and with batch 8
+    11.61-11.65 -> 11.69-11.82, where nothing else had changed: past 2 tokens the loads come after the wait, as
+    they did before."""
+    value = os.environ.get("MOEBOX_EARLY_LOADS_MAX_N", str(EARLY_LOADS_MAX_N))
+    try:
+        return tokens <= int(value)
+    except ValueError:
+        raise ValueError(f"MOEBOX_EARLY_LOADS_MAX_N must be a token count (0: never), got {value!r}") from None
+
+
 def pdl_args(t: torch.Tensor, kernel: Any, hold: bool = False) -> dict[str, bool | int]:
     """The keywords of a launch of `kernel` on t's device: its `PDL` flag (see `pdl_start`; `PDL_HOLD` with
     `hold` or where `pdl_held`) and, when on, Triton's `launch_pdl` (the interpreter takes no such keyword)."""
