@@ -67,7 +67,7 @@ def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, o
     of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; with the side
     streams (every Branch forks and joins inside the captured step) and without; with the side streams' priority,
     the early fork, the key store and router kernels and the rank top-k off (they are on by default at these
-    batch sizes); and with wo_a's L2 prefetch on (off by default)."""
+    batch sizes); and with the L2 prefetches on (off by default)."""
     from moebox.model.batch import DecodeBatch
     from moebox.runtime.graphs import DecodeGraphs
     if overlap == "switches off":
@@ -76,11 +76,11 @@ def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, o
                        "MOEBOX_TOPK_RANK"):
             monkeypatch.setenv(switch, "0")
     prefetches = None
-    if overlap == "l2 prefetch":   # wo_a's L2 prefetch on its side stream (off by default)
+    if overlap == "l2 prefetch":   # wo_a's and wq_b's L2 prefetches on their side stream (off by default)
         from moebox.ops.triton import l2_prefetch
         overlap, prefetches, real = "1", [], l2_prefetch.l2_prefetch
         monkeypatch.setattr(l2_prefetch, "l2_prefetch", lambda *a: prefetches.append(1) or real(*a))
-        monkeypatch.setenv("MOEBOX_L2_PREFETCH_MB", "1")
+        monkeypatch.setenv("MOEBOX_L2_PREFETCH", "wo_a:1,wq_b:1")
     monkeypatch.setenv("MOEBOX_OVERLAP", overlap)
     model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",
                           store_dir=tmp_path / "store", progress=False)

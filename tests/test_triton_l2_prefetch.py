@@ -12,15 +12,17 @@ import torch
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def test_the_switch_reads_megabytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from moebox.ops.triton.l2_prefetch import prefetch_bytes
-    monkeypatch.delenv("MOEBOX_L2_PREFETCH_MB", raising=False)
-    assert prefetch_bytes() == 0
-    monkeypatch.setenv("MOEBOX_L2_PREFETCH_MB", "24")
-    assert prefetch_bytes() == 24 << 20
-    monkeypatch.setenv("MOEBOX_L2_PREFETCH_MB", "lots")
-    with pytest.raises(ValueError, match="MOEBOX_L2_PREFETCH_MB"):
-        prefetch_bytes()
+def test_the_switch_names_targets_and_megabytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moebox.ops.triton.l2_prefetch import prefetch_bytes, prefetch_branch
+    monkeypatch.delenv("MOEBOX_L2_PREFETCH", raising=False)
+    assert prefetch_bytes("wo_a") == prefetch_bytes("wq_b") == 0
+    monkeypatch.setenv("MOEBOX_L2_PREFETCH", "wo_a:24,wq_b:0.5")
+    assert prefetch_bytes("wo_a") == 24 << 20 and prefetch_bytes("wq_b") == 1 << 19
+    assert prefetch_branch(torch.zeros(1), torch.zeros(4, 4), "wo_a") is None   # CPU, not FP8: nothing to do
+    for bad in ("wo_a=24", "wo_b:8", "wo_a:lots"):
+        monkeypatch.setenv("MOEBOX_L2_PREFETCH", bad)
+        with pytest.raises(ValueError, match="MOEBOX_L2_PREFETCH must be target:MB"):
+            prefetch_bytes("wo_a")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

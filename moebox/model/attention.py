@@ -27,8 +27,8 @@ from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import inverse_rope, norm_rope, query_rope, rope_inv_freq
 from moebox.ops.streams import Branch
+from moebox.ops.triton.l2_prefetch import prefetch_branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
-from moebox.weights.formats import QuantTensor
 
 WeightSource = Callable[[str], Weight]
 
@@ -184,7 +184,7 @@ class Attention:
 
         prefetch = None
         if decode:   # the inverse RoPE applied
-            prefetch = self._prefetch_wo_a(q)
+            prefetch = prefetch_branch(q, self.wo_a, "wo_a")   # L2 fills while the core leaves DRAM idle
             out = self._attend_decode(batch, q, idx, stored, cache)
         else:
             if cache is None and (t := batch.uniform_length()) is not None:
@@ -199,19 +199,6 @@ class Attention:
         if prefetch is not None:   # joined after wo_b's launch: the edge lands on the block's hc_post, which
             prefetch.join()        # waits for the mHC coefficients' branch there anyway
         return y
-
-    def _prefetch_wo_a(self, q: torch.Tensor) -> Branch | None:
-        """At a decode step's attention core (latency-bound: DRAM idles), ask L2 for the first
-        MOEBOX_L2_PREFETCH_MB of wo_a's FP8 weights on a side stream (moebox/ops/triton/l2_prefetch.py); the
-        branch to join, or None (off, the default; not CUDA; wo_a not FP8)."""
-        from moebox.ops.triton.l2_prefetch import l2_prefetch, prefetch_bytes
-        nbytes = prefetch_bytes()
-        if not nbytes or not q.is_cuda or not (isinstance(self.wo_a, QuantTensor) and self.wo_a.kind == "fp8"):
-            return None
-        branch = Branch(q, "prefetch", purpose="prefetch")
-        with branch:
-            l2_prefetch(self.wo_a.data, nbytes)
-        return branch
 
     def _pool_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The compressors' and the indexer's products of x (empty in sliding layers), in x's dtype (on the GPU:

@@ -14,8 +14,10 @@ no shared memory, no completion to wait for; the kernel ends as soon as its requ
 program, 32 chunks a program, each thread one chunk. Not run by Triton's interpreter (inline PTX): `l2_prefetch`
 does nothing on CPU tensors.
 
-Switch: MOEBOX_L2_PREFETCH_MB (default 0: off) = the MB of wo_a prefetched at each decode step's attention core
-(`prefetch_bytes`). Not yet measured on the GPU.
+Switch: MOEBOX_L2_PREFETCH = "target:MB[,target:MB]" (default empty: off), the MB of each target's FP8 weight
+prefetched at each decode step (`prefetch_branch`): `wo_a` when the attention core starts; `wq_b` (the query
+product's stacked weight) when a block starts, so that it streams in beside the attention site's mHC kernel and
+the wq_a product. Not yet measured on the GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ import os
 
 import torch
 
+from moebox.ops.linear import Weight
+from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, pdl_args, pdl_start, tl, triton  # noqa: F401
+from moebox.weights.formats import QuantTensor
 
 CHUNK = 64 << 10      # bytes one thread asks for (a multiple of 16, as the instruction needs)
 
@@ -41,13 +46,36 @@ if HAVE_TRITON:
             "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def prefetch_bytes() -> int:
-    """MOEBOX_L2_PREFETCH_MB in bytes (0: off)."""
-    value = os.environ.get("MOEBOX_L2_PREFETCH_MB", "0")
-    try:
-        return int(float(value) * (1 << 20))
-    except ValueError:
-        raise ValueError(f"MOEBOX_L2_PREFETCH_MB must be a number of MB (0: off), got {value!r}") from None
+TARGETS = ("wo_a", "wq_b")
+
+
+def prefetch_bytes(target: str) -> int:
+    """The bytes MOEBOX_L2_PREFETCH asks for `target` (0: none)."""
+    value = os.environ.get("MOEBOX_L2_PREFETCH", "")
+    sizes = {}
+    for item in filter(None, value.split(",")):
+        name, _, mb = item.partition(":")
+        try:
+            if name not in TARGETS:
+                raise ValueError
+            sizes[name] = int(float(mb) * (1 << 20))
+        except ValueError:
+            raise ValueError(f"MOEBOX_L2_PREFETCH must be target:MB items (targets {', '.join(TARGETS)}), e.g. "
+                             f"'wo_a:24,wq_b:16'; got {value!r}") from None
+    return sizes.get(target, 0)
+
+
+def prefetch_branch(ref: torch.Tensor, weight: Weight, target: str) -> Branch | None:
+    """Launch the prefetch of `target`'s bytes (`prefetch_bytes`) of an FP8 weight on a side stream (forked from
+    ref's stream now); the branch, to join after the product that reads the weight has been launched, or None
+    (nothing asked, not CUDA, not an FP8 weight)."""
+    nbytes = prefetch_bytes(target)
+    if not nbytes or not ref.is_cuda or not (isinstance(weight, QuantTensor) and weight.kind == "fp8"):
+        return None
+    branch = Branch(ref, "prefetch", purpose="prefetch")
+    with branch:
+        l2_prefetch(weight.data, nbytes)
+    return branch
 
 
 def l2_prefetch(t: torch.Tensor, nbytes: int) -> None:
