@@ -274,30 +274,28 @@ def index_topk_triton(scores: torch.Tensor, valid: torch.Tensor, k: int, cfg: Co
                          f"a bool valid of their shape and 1 <= k <= E; got {tuple(scores.shape)} {scores.dtype}, "
                          f"{tuple(valid.shape)} {valid.dtype}, k {k}")
     b, e = scores.shape
-    if rank or (rank is None and cfg is None and rank_takes(b, e)):
-        return _rank_topk(scores, valid, k)
-    cfg = cfg or config(e)
-    if max(cfg.hk, cfg.tk) > 8 or cfg.wide < (e >= WIDE_FROM) or cdiv(e, cfg.nt) + 8 >= 1 << 16:
-        raise ValueError(f"{cfg} cannot count a row of {e} entries")   # nibbles <= 15, 16-bit fields
+    ranked = rank or (rank is None and cfg is None and rank_takes(b, e))
+    if not ranked:
+        cfg = cfg or config(e)
+        if max(cfg.hk, cfg.tk) > 8 or cfg.wide < (e >= WIDE_FROM) or cdiv(e, cfg.nt) + 8 >= 1 << 16:
+            raise ValueError(f"{cfg} cannot count a row of {e} entries")   # nibbles <= 15, 16-bit fields
     rows = torch.empty((b, k), dtype=torch.int64, device=scores.device)
     rvalid = torch.empty((b, k), dtype=torch.bool, device=scores.device)
     if b:
-        _topk_kernel[(b,)](scores, valid.view(torch.uint8), rows, rvalid.view(torch.uint8), e, scores.stride(0),
-                           valid.stride(0), K=k, NCH=cfg.nch, HK=cfg.hk, TK=cfg.tk, NT=cfg.nt, WIDE=cfg.wide,
-                           num_warps=cfg.num_warps, **pdl_args(scores, _topk_kernel))
+        args = (scores, valid.view(torch.uint8), rows, rvalid.view(torch.uint8), e, scores.stride(0),
+                valid.stride(0))
+        if ranked:
+            _rank_topk(args, b, e, k)
+        else:
+            _topk_kernel[(b,)](*args, K=k, NCH=cfg.nch, HK=cfg.hk, TK=cfg.tk, NT=cfg.nt, WIDE=cfg.wide,
+                               num_warps=cfg.num_warps, **pdl_args(scores, _topk_kernel))
     return rows, rvalid
 
 
-def _rank_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `_rank_topk_kernel` launch: grid (E / RANK_BLOCK, B)."""
-    b, e = scores.shape
-    rows = torch.empty((b, k), dtype=torch.int64, device=scores.device)
-    rvalid = torch.empty((b, k), dtype=torch.bool, device=scores.device)
-    if b:
-        _rank_topk_kernel[(cdiv(e, RANK_BLOCK), b)](
-            scores, valid.view(torch.uint8), rows, rvalid.view(torch.uint8), e, scores.stride(0), valid.stride(0),
-            K=k, BLOCK=RANK_BLOCK, CHUNK=RANK_CHUNK, num_warps=4, **pdl_args(scores, _rank_topk_kernel))
-    return rows, rvalid
+def _rank_topk(args: tuple, b: int, e: int, k: int) -> None:
+    """The `_rank_topk_kernel` launch (its arguments as `_topk_kernel`'s): grid (E / RANK_BLOCK, B)."""
+    _rank_topk_kernel[(cdiv(e, RANK_BLOCK), b)](*args, K=k, BLOCK=RANK_BLOCK, CHUNK=RANK_CHUNK, num_warps=4,
+                                                **pdl_args(args[0], _rank_topk_kernel))
 
 
 # ----------------------------------------------------------------------------------------------- bench
