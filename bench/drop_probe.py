@@ -69,20 +69,17 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     "wo": [("moebox/model/attention.py", """        o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         y = linear(o.flatten(1), self.wo_b)""", """        y = cached("wo", (id(self), n), lambda: linear(grouped_linear(
             out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups).flatten(1), self.wo_b))""")],
-    # mHC's hc_pre at each site (its coefficients' side stream off with it; at 1-2 tokens x comes from the hc_post
-    # before, which "post" drops) and hc_post
+    # mHC's hc_pre at each site (its coefficients' side stream off with it) and hc_post
     "mix": [("moebox/model/block.py", """        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
-        x, post, comb = hc_pre(X, site.fn, site.base, site.scale, iters=self.cfg.hc_sinkhorn_iters, eps=site.eps,
-                               norm_eps=site.norm_eps, coeffs_branch=coeffs if coeffs.on else None, norm=site.norm,
-                               partials=partials)""",
+        x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)""",
              """        coeffs = Branch(X, "mhc", enabled=decode and "mix" not in DROP, purpose="mhc")
-        x, post, comb = cached("mix", (id(self), id(site), X.shape[0]), lambda: hc_pre(
-            X, site.fn, site.base, site.scale, iters=self.cfg.hc_sinkhorn_iters, eps=site.eps,
-            norm_eps=site.norm_eps, coeffs_branch=coeffs if coeffs.on else None, norm=site.norm,
-            partials=partials))""")],
+        x, post, comb = cached("mix", (id(self), id(hc), X.shape[0]), lambda: hc_pre(
+            X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+            coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials))""")],
     "post": [_wrap("moebox/model/block.py", "        return ",
-                   "hc_post_chain(out, X, post, comb, addend=addend, next_site=next_site if decode else None)",
-                   "post", "(id(self), id(site), X.shape[0])")],
+                   "hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)", "post",
+                   "(id(self), id(hc), X.shape[0])")],
     "head": [("moebox/model/deepseek_v4.py", """        y = hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps)
         return logits_linear(rms_norm(y, self.norm, self.cfg.rms_norm_eps), self.head)""", """        return cached("head", (id(self), X.shape[0]), lambda: logits_linear(rms_norm(
             hc_head(X, *self.hc, eps=self.cfg.hc_eps, norm_eps=self.cfg.rms_norm_eps), self.norm,

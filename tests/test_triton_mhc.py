@@ -22,7 +22,7 @@ import torch
 
 from moebox.ops import mhc
 from moebox.ops.attention import matmul_tf32
-from moebox.ops.mhc import (Site, hc_head, hc_head_reference, hc_post, hc_post_chain, hc_post_reference, hc_pre,
+from moebox.ops.mhc import (hc_head, hc_head_reference, hc_post, hc_post_chain, hc_post_reference, hc_pre,
                             hc_pre_reference)
 from moebox.ops.norm import rms_norm_reference
 
@@ -82,7 +82,7 @@ def test_chain_dispatchers_run_the_references_on_cpu() -> None:
     assert torch.equal(x, rms_norm_reference(ref[0], w, 1e-6)) and torch.equal(post, ref[1])
     out, Xp, post, comb = post_inputs(3, 4, 16, seed=2)
     addend = torch.randn(3, 16)
-    Y, partials = hc_post_chain(out, Xp, post, comb, addend=addend, next_site=Site(fn, base, scale, w, 1e-6, 1e-6))
+    Y, partials = hc_post_chain(out, Xp, post, comb, addend=addend, next_fn=fn)
     assert partials is None and torch.equal(Y, hc_post_reference(out + addend, Xp, post, comb))
 
 
@@ -206,12 +206,9 @@ _INTERPRETER_CHECK = textwrap.dedent("""
     # the decode chain: hc_pre with the sub-block's norm (its partials computed first), hc_post with an addend
     # writing the next site's partials, the next hc_pre from them; H 96: 3 partial blocks, 80: a partial last
     # one; hc 3 padded; case 1 with post/comb as a launch of their own; N 17: past the chain (no partials, the
-    # norm apart). Then hc_post mixing the next site's x too, with one program a token (the interpreter runs
-    # programs one after another: a barrier over several would never open): N 1-2, the cancelling streams
-    # of case 0 included (the fallback reads the row of X_new that the program wrote before its barrier)
-    from moebox.ops.mhc import MixedSite, Site
+    # norm apart)
     from moebox.ops.norm import rms_norm_reference
-    from moebox.ops.triton.mhc import PostConfig, hc_post_chain_triton
+    from moebox.ops.triton.mhc import hc_post_chain_triton
     for i, (hc, H, n, dt) in enumerate([(4, 96, 1, torch.float32), (3, 64, 3, torch.float32),
                                         (4, 80, 2, torch.float16), (2, 64, 17, torch.float32)]):
         X, fn, base, scale = site(n, hc, H, dt, seed=30 + i)
@@ -234,27 +231,15 @@ _INTERPRETER_CHECK = textwrap.dedent("""
         for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol_x, 4e-6, 4e-6)):
             add(f"{name}: pre {out}", g, r, b, t)
         out, addend = torch.randn(n, H).to(dt), torch.randn(n, H).to(dt)
-        # case 0: post 0 and comb = I keep the cancelling streams (X_new = X) for the next site's equal weights
-        post, comb = (torch.zeros(n, hc), torch.eye(hc).expand(n, hc, hc)) if i == 0 else got[1:]
-        nxt = Site(fn2 if i else fn, base2 if i else base, scale2, w, kw["eps"], kw["norm_eps"])
-        Y, ws = hc_post_chain_triton(out, X, post, comb, addend=addend, next_site=nxt)
-        assert (ws is None) == (n > 16) and not isinstance(ws, MixedSite)   # several programs a token: no mix
-        add(f"{name}: post + addend", Y, hc_post_reference(out + addend, X, post, comb), Y, tol)
-        ref = hc_pre_reference(Y, nxt.fn, nxt.base, nxt.scale, **kw)
+        Y, ws = hc_post_chain_triton(out, X, got[1], got[2], addend=addend, next_fn=fn2)
+        assert (ws is None) == (n > 16)
+        add(f"{name}: post + addend", Y, hc_post_reference(out + addend, X, got[1], got[2]), Y, tol)
+        into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
+        got = hc_pre_triton(Y, fn2, base2, scale2, **kw, into=into, norm=w, partials=ws)
+        ref = hc_pre_reference(Y, fn2, base2, scale2, **kw)
         ref = (rms_norm_reference(ref[0], w, 1e-6), *ref[1:])
-        into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
-        got_ws = hc_pre_triton(Y, nxt.fn, nxt.base, nxt.scale, **kw, into=into, norm=w, partials=ws)
-        for out_, g, r, b, t in zip(("x normed", "post", "comb"), got_ws, ref, into, (tol_x, 4e-6, 4e-6)):
-            add(f"{name}: pre from partials {out_}", g, r, b, t)
-        if n > 2:
-            continue
-        Ym, mixed = hc_post_chain_triton(out, X, post, comb, addend=addend, next_site=nxt,
-                                         config=PostConfig(block_h=128))   # >= H: one program
-        assert isinstance(mixed, MixedSite) and torch.equal(Ym, Y)
-        into = (torch.full((n, H), nan, dtype=dt), torch.full((n, hc), nan), torch.full((n, hc, hc), nan))
-        got_mix = hc_pre_triton(Y, nxt.fn, nxt.base, nxt.scale, **kw, into=into, norm=w, partials=mixed)
-        for out_, g, r, b, t in zip(("x normed", "post", "comb"), got_mix, ref, into, (tol_x, 4e-6, 4e-6)):
-            add(f"{name}: pre mixed in hc_post {out_}", g, r, b, t)
+        for out, g, r, b, t in zip(("x normed", "post", "comb"), got, ref, into, (tol_x, 4e-6, 4e-6)):
+            add(f"{name}: pre from partials {out}", g, r, b, t)
     print("RESULT " + json.dumps(results))
 """)
 
@@ -264,26 +249,19 @@ def test_chain_kernels_build_for_sm90() -> None:
     """The decode chain's kernels as the V4 decode step launches them (kernel B with the Gram partials and the
     norm, x programs and the coefficients' program; hc_post with the shared expert's add and the partials; the
     partials alone) compile for sm_90 on any machine: the interpreter does not type-check what the GPU build
-    does (the cancellation fallback's branch, the 3-D fn tile, the barrier's loop). The post kernel that mixes
-    (128 programs a token) arrives at its barrier with an acq_rel atomic, waits with acquire loads, and lets
-    the kernel after launch only past it."""
+    does (the cancellation fallback's branch, the 3-D fn tile)."""
     from moebox.ops.triton import mhc as kernels
-    from moebox.ops.triton.runtime import PDL_HOLD, build_sm90
+    from moebox.ops.triton.runtime import build_sm90
     dims = dict(HC=4, HC_PAD=4, M=24)
     fp32 = ("ws_ptr", "base_ptr", "scale_ptr", "post_ptr", "comb_ptr", "fn_ptr")
-    post = [dict(M_PAD=32, W_PAD=64, BLOCK_H=32, POST=post, ADD=post, PARTIALS=True, MIX=0, EARLY=early, PDL=True)
-            for post in (True, False) for early in (True, False)]
     for fn, const in [(kernels._mix_kernel, dict(M_PAD=64, S_PAD=128, BLOCK_H=1024, COEFFS=coeffs, GRAM=True,
                                                  NORM=not coeffs, PDL=True)) for coeffs in (False, True)] + [
-            (kernels._post_kernel, const) for const in post + [{**post[0], "MIX": 128, "PDL": PDL_HOLD}]]:
-        sig = {a: "*fp32" if a in fp32 else "*i32" if a == "cnt_ptr" else "*bf16" if a.endswith("_ptr") else
-               "fp32" if "eps" in a else "i32" for a in fn.arg_names if a not in {**dims, **const}}
-        ptx = build_sm90(fn, sig, {**dims, **const}, [a for a in sig if a.endswith("_ptr")], num_warps=4).asm["ptx"]
-        assert "griddepcontrol.wait" in ptx, fn
-        if const.get("MIX"):
-            arrive, wait, release = (ptx.index(op) for op in ("atom.global.gpu.acq_rel.add", "ld.global.gpu.acquire",
-                                                              "griddepcontrol.launch_dependents"))
-            assert ptx.index("griddepcontrol.wait") < arrive < wait < release
+            (kernels._post_kernel, dict(M_PAD=32, W_PAD=64, BLOCK_H=32, POST=post, ADD=post, PARTIALS=True,
+                                        EARLY=early, PDL=True)) for post in (True, False) for early in (True, False)]:
+        sig = {a: "*fp32" if a in fp32 else "*bf16" if a.endswith("_ptr") else "fp32" if "eps" in a else "i32"
+               for a in fn.arg_names if a not in {**dims, **const}}
+        compiled = build_sm90(fn, sig, {**dims, **const}, [a for a in sig if a.endswith("_ptr")], num_warps=4)
+        assert "griddepcontrol.wait" in compiled.asm["ptx"], fn
 
 
 @pytest.mark.slow
@@ -394,15 +372,13 @@ def test_gpu_hc_head(shape: tuple, n: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n", [1, 2, 3, 16, 17])
+@pytest.mark.parametrize("n", [1, 3, 16, 17])
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_decode_chain(n: int, dtype: torch.dtype) -> None:
     """Two mHC sites of the V4 shape as a decode step runs them: hc_pre with the norm (post/comb on a side
-    stream), hc_post_chain with the shared expert's addend writing the next site's partials (at N 1-2 and its
-    x, behind the barrier: bit for bit what the two-launch chain gives), hc_pre from them; outputs poisoned.
-    N = 17 is past the chain: no partials, the norm apart, same results."""
-    from moebox.ops.mhc import MixedSite
+    stream), hc_post_chain with the shared expert's addend writing the next site's partials, hc_pre from
+    them; outputs poisoned. N = 17 is past the chain: no partials, the norm apart, same results."""
     from moebox.ops.streams import Branch
     from moebox.ops.triton.mhc import hc_post_chain_triton, hc_pre_triton
     hc, hidden = 4, 4096
@@ -425,53 +401,12 @@ def test_gpu_decode_chain(n: int, dtype: torch.dtype) -> None:
         return got
 
     _, post, comb = pre(X, fn, base, scale, None)
-    nxt = Site(fn2, base2, scale2, w, KW["eps"], KW["norm_eps"])
-    poison_allocator()
-    Y, partials = hc_post_chain_triton(out, X, post, comb, addend=addend, next_site=nxt)
+    Y, partials = hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=fn2)
     torch.cuda.synchronize()
-    assert (partials is None) == (n > 16) and isinstance(partials, MixedSite) == (n <= 2)
+    assert (partials is None) == (n > 16)
     with matmul_tf32(False):
         assert rel_err(Y, hc_post_reference(out + addend, X, post, comb)) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
-    got = pre(Y, fn2, base2, scale2, partials)
-    if n <= 2:
-        Y2, ws = hc_post_chain_triton(out, X, post, comb, addend=addend, next_site=nxt, mix=False)
-        assert torch.equal(Y2, Y) and torch.equal(ws, partials.partials)
-        assert torch.equal(pre(Y2, fn2, base2, scale2, ws)[0], got[0])
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_mixing_barrier_in_graph_replays() -> None:
-    """The barrier of hc_post's mixing, many times over: 32 chained sites at 1 and 2 tokens (a new barrier per
-    launch, the counters never reset) in one CUDA graph with PDL, replayed 20 times; each replay's outputs equal
-    the eager run's, and the counters stay whole multiples of the quantum (every launch was counted once)."""
-    from moebox.ops.triton import mhc as kernels
-    from moebox.ops.triton.mhc import MIX_QUANTUM, hc_post_chain_triton
-    hidden, hc = 4096, 4
-    for n in (1, 2):
-        X, fn, base, scale = site(n, hc, hidden, torch.bfloat16, "cuda", seed=n)
-        w = (torch.rand(hidden, device="cuda") + 0.5).to(torch.bfloat16)
-        out = torch.randn(n, hidden, device="cuda").to(torch.bfloat16)
-        _, post, comb = hc_pre_reference(X, fn, base, scale, **KW)
-        nxt = Site(fn, base, scale, w, KW["eps"], KW["norm_eps"])
-
-        def sites() -> torch.Tensor:
-            Y, xs = X, []
-            for _ in range(32):
-                Y, mixed = hc_post_chain_triton(out, Y, post, comb, next_site=nxt)
-                xs.append(mixed.x)
-            return torch.stack(xs)
-
-        want = sites()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            got = sites()
-        for _ in range(20):
-            got.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(got, want)
-        assert bool((kernels._counters[X.device][:n] % MIX_QUANTUM == 0).all())
+    pre(Y, fn2, base2, scale2, partials)
 
 
 @pytest.mark.gpu

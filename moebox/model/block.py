@@ -11,7 +11,7 @@ from moebox.model.attention import Attention, WeightSource
 from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
-from moebox.ops.mhc import MixedSite, Site, hc_post_chain, hc_pre
+from moebox.ops.mhc import hc_post_chain, hc_pre
 from moebox.ops.streams import Branch
 from moebox.ops.triton.l2_prefetch import prefetch_branch
 
@@ -23,10 +23,10 @@ class Block:
         g = lambda n: get(prefix + n)  # noqa: E731
         self.attn = Attention(cfg, get, prefix + "attn.", kind, ratio, qat)
         self.ffn = MoE(cfg, get, prefix + "ffn.", is_hash)
-        self.attn_site, self.ffn_site = (Site(g(f"hc_{s}_fn"), g(f"hc_{s}_base"), g(f"hc_{s}_scale"),
-                                              g(f"{s}_norm.weight"), cfg.hc_eps, cfg.rms_norm_eps)
-                                         for s in ("attn", "ffn"))
-        self.next_site: Site | None = None   # the mHC site after this block's (the model sets it)
+        self.attn_norm, self.ffn_norm = g("attn_norm.weight"), g("ffn_norm.weight")
+        self.hc_attn = (g("hc_attn_fn"), g("hc_attn_base"), g("hc_attn_scale"))
+        self.hc_ffn = (g("hc_ffn_fn"), g("hc_ffn_base"), g("hc_ffn_scale"))
+        self.next_fn: torch.Tensor | None = None   # the fn of the mHC site after this block's (the model sets it)
 
     def __call__(self, X: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None,
                  partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -41,23 +41,22 @@ class Block:
                 prefetch.join()
             return out, None
 
-        X, partials = self._site(X, self.attn_site, attention, decode, partials, self.ffn_site)
-        return self._site(X, self.ffn_site, lambda x: self.ffn.parts(x, batch.tokens), decode, partials,
-                          self.next_site)
+        X, partials = self._site(X, self.hc_attn, self.attn_norm, attention, decode, partials, self.hc_ffn[0])
+        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x: self.ffn.parts(x, batch.tokens), decode,
+                          partials, self.next_fn)
 
-    def _site(self, X: torch.Tensor, site: Site,
+    def _site(self, X: torch.Tensor, hc: tuple[torch.Tensor, ...], norm: torch.Tensor,
               sub_block: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]], decode: bool,
-              partials: torch.Tensor | MixedSite | None, next_site: Site | None,
-              ) -> tuple[torch.Tensor, torch.Tensor | MixedSite | None]:
+              partials: torch.Tensor | None, next_fn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One mHC site around a sub-block: hc_pre with the sub-block's RMSNorm, the sub-block (its output: one
         tensor or two to add), hc_post. At decode mHC's post/comb (the Sinkhorn chain) run on a side stream next
-        to the sub-block, joined before hc_post, and the site is one or two launches of mHC: hc_pre reads
-        `partials` (the logits and norms of X, which the hc_post before wrote, and at 1-2 tokens x itself), and
-        hc_post writes those of `next_site` (None: the last site of the model, whose head computes its own)."""
+        to the sub-block, joined before hc_post, and the site is two launches of mHC: hc_pre reads `partials`
+        (the logits and norms of X, which the hc_post before wrote), and hc_post writes those of the next
+        site's fn `next_fn` (None: the last site of the model, whose head computes its own)."""
+        cfg = self.cfg
         coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
-        x, post, comb = hc_pre(X, site.fn, site.base, site.scale, iters=self.cfg.hc_sinkhorn_iters, eps=site.eps,
-                               norm_eps=site.norm_eps, coeffs_branch=coeffs if coeffs.on else None, norm=site.norm,
-                               partials=partials)
+        x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)
         out, addend = sub_block(x)
         coeffs.join()
-        return hc_post_chain(out, X, post, comb, addend=addend, next_site=next_site if decode else None)
+        return hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)

@@ -73,7 +73,7 @@ class DeepseekV4:
         self.layers = [Block(cfg, get, f"layers.{i}.", kind=cfg.attn_types[i], ratio=cfg.compress_ratios[i],
                              is_hash=cfg.hash_layers[i], qat=qat) for i in range(cfg.num_layers)]
         for block, after in zip(self.layers, self.layers[1:]):
-            block.next_site = after.attn_site
+            block.next_fn = after.hc_attn[0]
         self.mtp = [MTPBlock(cfg, get, f"mtp.{j}.", qat, self.embed, head)
                     for j in range(cfg.num_mtp_layers if load_mtp else 0)]
 

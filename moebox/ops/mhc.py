@@ -8,9 +8,7 @@ on CUDA) the references run compiled (`fused`): the Sinkhorn loop is ~100 tiny o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,30 +30,9 @@ def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | Non
     return mhc if mhc.fused_supported(X, out) else None
 
 
-@dataclass(frozen=True)
-class Site:
-    """An mHC site as the hc_post before it sees it at decode: its weights (fn, base, scale), its sub-block's
-    RMSNorm weight, and the eps / norm_eps its hc_pre takes."""
-
-    fn: torch.Tensor
-    base: torch.Tensor
-    scale: torch.Tensor
-    norm: torch.Tensor
-    eps: float
-    norm_eps: float
-
-
-class MixedSite(NamedTuple):
-    """What a decode hc_post hands the next site's hc_pre when it also mixed that site's input (the fused path,
-    moebox/ops/triton/mhc.py `mix_takes`): the chain partials and x, already RMS-normed with the site's weight."""
-
-    partials: torch.Tensor
-    x: torch.Tensor
-
-
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
            norm_eps: float, coeffs_branch: Branch | None = None, norm: torch.Tensor | None = None,
-           partials: torch.Tensor | MixedSite | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32). The fused path
     computes post and comb on `coeffs_branch`'s side stream when it is on: use them after its join().
     `norm`: the sub-block's RMSNorm weight; the input comes back normed, rms_norm(x, norm, norm_eps) (at
@@ -74,14 +51,13 @@ def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def hc_post_chain(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-                  addend: torch.Tensor | None = None, next_site: Site | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor | MixedSite | None]:
-    """hc_post of out + addend (None: out alone) -> (X_new, what the next site's hc_pre takes as `partials`, or
-    None). The fused decode path writes X_new and the partials of the next site's fn in one launch, and at one
-    or two tokens that site's normed x as well (a `MixedSite`; moebox/ops/triton/mhc.py: the decode chain);
-    elsewhere the second value is None and hc_pre computes its logits itself."""
+                  addend: torch.Tensor | None = None, next_fn: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hc_post of out + addend (None: out alone) -> (X_new, partials for the next site's hc_pre, whose fn is
+    `next_fn`, or None). The fused decode path writes both in one launch (moebox/ops/triton/mhc.py: the
+    decode chain); elsewhere the partials are None and hc_pre computes its logits itself."""
     if (f := _fused(X, out)) is not None and (addend is None or f.fused_supported(X, addend)):
-        return f.hc_post_chain_triton(out, X, post, comb, addend=addend, next_site=next_site)
+        return f.hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=next_fn)
     return hc_post_reference(out if addend is None else out + addend, X, post, comb), None
 
 

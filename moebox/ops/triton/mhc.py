@@ -88,13 +88,12 @@ from typing import Sequence
 
 import torch
 
-from moebox.ops.mhc import MixedSite, Site, hc_head_reference, hc_post_reference, hc_pre_reference
+from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, early_loads, graph_us,  # noqa: F401
-                                       interpreting, next_pow2, num_sms, pdl_args, pdl_release, pdl_start, rel_err,
-                                       tl, triton)
+                                       next_pow2, num_sms, pdl_args, pdl_start, rel_err, tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -135,12 +134,6 @@ GEMV_TILE_N = 4
 # columns of a chain partials program: 128 a token at H = 4096, each reading 12 KB of fn (with PostConfig's 4
 # warps the fastest at N = 1 and 4 of the sixteenth session's `--sweep-chain`; docs/benchmarks.md)
 CHAIN_BLOCK_H = 32
-# decode sites of up to this many tokens (MOEBOX_MHC_MIX sets another bound, 0 none) whose hc_post also computes
-# the next site's x after a barrier (`mix_takes`): one launch a site on the main stream instead of two
-MIX_MAX_N = 2
-MIX_QUANTUM = 1 << 16   # what a launch adds to a token's barrier counter (`_token_barrier`)
-MIX_COUNTERS = 64       # barrier counters a device (token slots)
-_counters: dict[torch.device, torch.Tensor] = {}
 
 def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> int:
     """Columns of H per program of kernel B / hc_post. Automatic: exactly one 16-byte vector per thread and
@@ -195,8 +188,6 @@ def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) 
 
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
-    _QUANTUM = tl.constexpr(MIX_QUANTUM)
-
     @triton.jit
     def _store_partials(ws_ptr, acc, sq, offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD: tl.constexpr):
         """Kernel A's output, whichever computed it: token n's partial logits of split s at ws[n, s, :M] and its
@@ -273,43 +264,6 @@ if HAVE_TRITON:
         return tl.sum(acc, axis=0) / H
 
     @triton.jit
-    def _summed_partials(ws_n, ms, offs_j, mj, K, norm_eps, HC: tl.constexpr, M: tl.constexpr, GRAM: tl.constexpr):
-        """A token's partial rows ws_n [S_PAD] (ms: the real ones) summed in a fixed order -> (the Gram matrix
-        G [HC_PAD, HC_PAD] from columns M + j * HC + k, 0 without GRAM; rs = rsqrt(sum of squares / K +
-        norm_eps), the sum of squares trace(G), or column M without GRAM)."""
-        jk = offs_j[:, None] * HC + offs_j[None, :]
-        g = tl.zeros((offs_j.shape[0], offs_j.shape[0]), dtype=tl.float32)
-        if GRAM:
-            g = tl.sum(tl.load(ws_n[:, None, None] + M + jk[None, :, :],
-                               mask=ms[:, None, None] & (mj[:, None] & mj[None, :])[None, :, :], other=0.0), axis=0)
-            sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
-        else:
-            sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0), axis=0)
-        return g, 1.0 / tl.sqrt(sumsq / K + norm_eps)
-
-    @triton.jit
-    def _pre_weights(ws_n, ms, offs_j, mj, base_ptr, scale_ptr, rs, eps):
-        """pre = sigmoid(logits * rs * scale[0] + base[:hc]) + eps [HC_PAD] from the partial rows ws_n."""
-        pre_l = tl.sum(tl.load(ws_n[:, None] + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0), axis=0)
-        b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
-        return tl.sigmoid(pre_l * rs * tl.load(scale_ptr).to(tl.float32) + b_pre) + eps
-
-    @triton.jit
-    def _normed_x(x, pre, g, mj, X_row, offs_j, hh, mh, H, norm_ptr, norm_eps, BLOCK_H: tl.constexpr):
-        """rms_norm(x rounded to X's dtype, the weight at norm_ptr) over the columns hh of x = sum_j pre_j X[j]
-        (fp32); its mean square is pre^T G pre / H, from x before that rounding, or summed over the row X_row
-        where the streams cancel (below)."""
-        pm = tl.where(mj, pre, 0.0)
-        q = pm[:, None] * g * pm[None, :]
-        ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
-        # its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to under 1/256 of that, the
-        # row's squares are summed directly instead (rare: the token's X read again)
-        if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
-            ms_x = _row_mean_square(X_row, pre, offs_j, mj, H, BLOCK_H)
-        w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
-        return x.to(X_row.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
-
-    @triton.jit
     def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, norm_ptr,
                     H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
                     HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
@@ -329,17 +283,34 @@ if HAVE_TRITON:
         ms = offs_s < SPLIT
         mj = offs_j < HC
         ws_n = ws_ptr + (n.to(tl.int64) * SPLIT + offs_s) * M_PAD                       # [S_PAD]
-        g, rs = _summed_partials(ws_n, ms, offs_j, mj, K, norm_eps, HC, M, GRAM)
+        if GRAM:
+            jk = offs_j[:, None] * HC + offs_j[None, :]
+            g = tl.sum(tl.load(ws_n[:, None, None] + M + jk[None, :, :],
+                               mask=ms[:, None, None] & (mj[:, None] & mj[None, :])[None, :, :], other=0.0), axis=0)
+            sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
+        else:
+            sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0), axis=0)
+        rs = 1.0 / tl.sqrt(sumsq / K + norm_eps)
         if ph >= 0:
-            pre = _pre_weights(ws_n, ms, offs_j, mj, base_ptr, scale_ptr, rs, eps)
+            pre_l = tl.sum(tl.load(ws_n[:, None] + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0),
+                           axis=0)
+            b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
+            pre = tl.sigmoid(pre_l * rs * tl.load(scale_ptr).to(tl.float32) + b_pre) + eps
             hh = ph * BLOCK_H + tl.arange(0, BLOCK_H)
             mh = hh < H
-            X_row = X_ptr + n.to(tl.int64) * stride_Xn
-            Xt = tl.load(X_row + offs_j[:, None] * H + hh[None, :], mask=mj[:, None] & mh[None, :],
-                         other=0.0).to(tl.float32)
+            Xt = tl.load(X_ptr + n.to(tl.int64) * stride_Xn + offs_j[:, None] * H + hh[None, :],
+                         mask=mj[:, None] & mh[None, :], other=0.0).to(tl.float32)
             x = tl.sum(pre[:, None] * Xt, axis=0)
-            if NORM:
-                x = _normed_x(x, pre, g, mj, X_row, offs_j, hh, mh, H, norm_ptr, norm_eps, BLOCK_H)
+            if NORM:   # rms_norm(x rounded to X's dtype, weight); the mean square from G, before that rounding
+                pm = tl.where(mj, pre, 0.0)
+                q = pm[:, None] * g * pm[None, :]
+                ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
+                # its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to under 1/256 of
+                # that, the row's squares are summed directly instead (rare: 4 more loads of the token's X)
+                if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
+                    ms_x = _row_mean_square(X_ptr + n.to(tl.int64) * stride_Xn, pre, offs_j, mj, H, BLOCK_H)
+                w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
+                x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
             tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
         elif COEFFS:
             post_l = tl.sum(tl.load(ws_n[:, None] + HC + offs_j[None, :], mask=ms[:, None] & mj[None, :],
@@ -363,23 +334,18 @@ if HAVE_TRITON:
             tl.store(comb_ptr + n.to(tl.int64) * (HC * HC) + jk, c, mask=valid)
 
     @triton.jit
-    def _post_kernel(o_ptr, a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, base_ptr, scale_ptr, norm_ptr,
-                     x_ptr, cnt_ptr, H, eps, norm_eps,
+    def _post_kernel(o_ptr, a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, H,
                      stride_on, stride_an, stride_Xn, stride_yn, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
-                     stride_fm, stride_xn, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr,
-                     M_PAD: tl.constexpr, W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, POST: tl.constexpr,
-                     ADD: tl.constexpr, PARTIALS: tl.constexpr, MIX: tl.constexpr, EARLY: tl.constexpr,
-                     PDL: tl.constexpr):
+                     stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                     W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr,
+                     PARTIALS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """POST: y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h] over BLOCK_H columns,
         coefficients rounded to X's dtype (ADD: o is the sum o + a, rounded to X's dtype, as the block adds
         the shared expert's output to the routed one). PARTIALS: then the next site's partials of y as
         rounded (without POST: of X itself): ws[n, s, :M] = y[:, hs] . fn[:, :, hs] for this program's columns
         hs, and ws[n, s, M + j * HC + k] = y[j, hs] . y[k, hs] (the Gram matrix, from which `_mix_kernel`
         gets both rms_norms). EARLY: the fn slice, a weight, is loaded before the PDL wait: its DRAM round trip
-        overlaps the kernel before. MIX (0: off; else with POST and PARTIALS, the programs a token, a power of 2,
-        all resident at once): then what `_mix_kernel`'s x programs do for the next site, over this program's
-        columns: once every program of the token has stored its partials (a counter at cnt_ptr[n]), sum them
-        all, and write x = rms_norm(sum_j pre_j y[j]) (base, scale, norm: the next site's; y from registers)."""
+        overlaps the kernel before."""
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         hh = s * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -422,31 +388,6 @@ if HAVE_TRITON:
             row = ws_ptr + (n * tl.num_programs(1) + s) * W_PAD
             tl.store(row + offs_m, logits, mask=mm)
             tl.store(row + M + offs_k[:, None] * HC + offs_k[None, :], gram, mask=mk[:, None] & mk[None, :])
-        if MIX:
-            _token_barrier(cnt_ptr + n, MIX)
-            pdl_release(PDL)   # every program of the grid is resident now: the kernel after may take free slots
-            offs_s = tl.arange(0, MIX)
-            ws_n = ws_ptr + (n * MIX + offs_s) * W_PAD
-            ms = offs_s < MIX
-            g, rs = _summed_partials(ws_n, ms, offs_k, mk, HC * H, norm_eps, HC, M, True)
-            pre = _pre_weights(ws_n, ms, offs_k, mk, base_ptr, scale_ptr, rs, eps)
-            x = _normed_x(tl.sum(pre[:, None] * v, axis=0), pre, g, mk, y_ptr + n * stride_yn, offs_k, hh, mh, H,
-                          norm_ptr, norm_eps, BLOCK_H)
-            tl.store(x_ptr + n * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
-
-    @triton.jit
-    def _token_barrier(cnt_ptr, PROGRAMS: tl.constexpr):
-        """Return once all PROGRAMS programs (a power of 2, at most MIX_QUANTUM) of a launch have called this
-        with the same counter, their earlier stores visible. Each adds MIX_QUANTUM / PROGRAMS, so a launch adds
-        MIX_QUANTUM in all and the int32 counter, which is never reset, is a multiple of it between launches
-        (wrapping included: the quantum divides 2^32); a program waits for the next multiple after the value
-        it found. Every program must be resident at once (the launcher's `mix_takes`), or the wait never ends."""
-        step: tl.constexpr = _QUANTUM // PROGRAMS
-        old = tl.atomic_add(cnt_ptr, step, sem="acq_rel", scope="gpu")
-        target = (old & -_QUANTUM) + _QUANTUM
-        cur = old + step
-        while cur - target < 0:
-            cur = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -544,9 +485,7 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     comb after the branch's join().
     `norm`: x comes out as rms_norm(x, norm, norm_eps). At decode sizes (`chain_takes`) kernel B does it from
     Gram partials, which `partials` (from `hc_post_chain_triton` with this site's fn) brings along, so hc_pre
-    is then that one launch (else `hc_partials_triton` computes them first); larger N norm apart. `partials`
-    may be a `MixedSite` (`hc_post_chain_triton`'s where the post kernel also mixed): its x is this site's
-    normed x already, and only post and comb are launched."""
+    is then that one launch (else `hc_partials_triton` computes them first); larger N norm apart."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -561,13 +500,7 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     if n == 0:
         return x, post, comb
     cfg = _config(config, X)
-    mixed = partials if isinstance(partials, MixedSite) else None
     gram = norm is not None and (partials is not None or chain_takes(X))
-    if mixed is not None:   # x came with the partials: only post and comb are left
-        if norm is None or tuple(mixed.x.shape) != (n, hidden) or mixed.x.dtype != X.dtype:
-            raise ValueError(f"a MixedSite's x is [{n}, {hidden}] {X.dtype} and normed: pass its norm weight")
-        x = mixed.x if bx is None else bx.copy_(mixed.x)
-        partials = mixed.partials
     if gram:
         if norm.shape != (hidden,):
             raise ValueError(f"norm must be [{hidden}], got {tuple(norm.shape)}")
@@ -575,12 +508,10 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     else:
         ws = _mix_logits(X, fn, m, cfg)
     mix = dict(norm=norm if gram else None, gram=gram)
-    x_out = None if mixed is not None else x
     if coeffs_branch is None:
-        _mix(X, ws, m, base, scale, x_out, post, comb, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, post, comb, cfg, iters, eps, norm_eps, **mix)
     else:
-        if x_out is not None:
-            _mix(X, ws, m, base, scale, x_out, None, None, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:
             _mix(X, ws, m, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
         coeffs_branch.hold(ws)
@@ -622,58 +553,23 @@ def hc_post_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb:
 
 
 def hc_post_chain_triton(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-                         addend: torch.Tensor | None = None, next_site: Site | None = None,
-                         config: PostConfig | None = None, mix: bool = True,
-                         ) -> tuple[torch.Tensor, torch.Tensor | MixedSite | None]:
-    """hc_post_triton of out + addend (rounded to X's dtype, as `out + addend`) -> (X_new, what the next site's
-    hc_pre takes as `partials`), in one launch: None (no next site, or N past `chain_takes`), the chain partials
-    of X_new for the next site's fn, or (where `mix_takes`, unless `mix` is False) a `MixedSite`: those partials
-    and the next site's normed x. `config`: its tiling (with partials, block_h 0 means CHAIN_BLOCK_H)."""
-    if next_site is None or not chain_takes(X):
-        return _post(out, addend, X, post, comb, None, config=config)[0], None
-    y, ws, x = _post(out, addend, X, post, comb, next_site.fn, config=config, mix=next_site if mix else None)
-    return y, ws if x is None else MixedSite(ws, x)
-
-
-def mix_max_n() -> int:
-    """The most tokens whose hc_post mixes the next site's x: MOEBOX_MHC_MIX (0: never), else MIX_MAX_N."""
-    value = os.environ.get("MOEBOX_MHC_MIX", str(MIX_MAX_N))
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"MOEBOX_MHC_MIX must be a token count (0: never), got {value!r}") from None
-
-
-def mix_takes(X: torch.Tensor, blocks: int) -> bool:
-    """Whether a chain hc_post of `blocks` programs a token also mixes the next site's x behind a barrier: up to
-    `mix_max_n` tokens, blocks a power of 2, and every program resident at once: at most two 4-warp programs
-    an SM (which always fit; kernels on other streams that hold slots end without waiting for these); in
-    Triton's interpreter, which runs programs one after another, one program a token."""
-    n = X.shape[0]
-    if not 0 < n <= mix_max_n() or blocks & (blocks - 1) or blocks > MIX_QUANTUM or n > MIX_COUNTERS:
-        return False
-    return blocks == 1 if interpreting() else n * blocks <= 2 * num_sms(X.device)
-
-
-def _barrier_counters(device: torch.device) -> torch.Tensor:
-    """The device's `_token_barrier` counters (zeroed once, then only ever advanced by whole quanta)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(MIX_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
+                         addend: torch.Tensor | None = None, next_fn: torch.Tensor | None = None,
+                         config: PostConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hc_post_triton of out + addend (rounded to X's dtype, as `out + addend`) -> (X_new, the next site's
+    chain partials for its fn `next_fn`, or None: no next_fn, or N past `chain_takes`), in one launch.
+    `config`: its tiling (with partials, block_h 0 means CHAIN_BLOCK_H)."""
+    return _post(out, addend, X, post, comb, next_fn if chain_takes(X) else None, config=config)
 
 
 def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor, post: torch.Tensor | None,
           comb: torch.Tensor | None, fn: torch.Tensor | None, into: torch.Tensor | None = None,
-          config: PostConfig | None = None, mix: Site | None = None,
-          ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The `_post_kernel` launch: hc_post (unless out is None), the chain partials for fn (unless None) and, with
-    `mix` (the next site: fn's) where `mix_takes`, its normed x -> (X_new, partials, x), None for what it did
-    not compute."""
+          config: PostConfig | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The `_post_kernel` launch: hc_post (unless out is None) and the chain partials for fn (unless None)."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
     n, hc, hidden = X.shape
-    y = ws = x = None
+    y = ws = None
     if out is not None:
         if not fused_supported(X, out) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc) or (
                 addend is not None and not fused_supported(X, addend)):
@@ -687,34 +583,24 @@ def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor
         if fn.shape[1] != hc * hidden:
             raise ValueError(f"fn must be [M, {hc * hidden}], got {tuple(fn.shape)}")
     if n == 0 or hidden == 0:
-        return y, None if fn is None else torch.empty((n, 0, partials_width(m, hc)), device=X.device), None
+        return y, None if fn is None else torch.empty((n, 0, partials_width(m, hc)), device=X.device)
     cfg = config or PostConfig()
     block_h = (cfg.block_h or CHAIN_BLOCK_H) if fn is not None else _block_h(cfg.block_h, cfg.num_warps, X.dtype,
                                                                            hidden)
     blocks = cdiv(hidden, block_h)
     if fn is not None:
         ws = torch.empty((n, blocks, partials_width(m, hc)), dtype=torch.float32, device=X.device)
-    mixing = mix is not None and y is not None and cfg.num_warps <= 4 and mix_takes(X, blocks)
-    if mixing:
-        if mix.base.numel() != m or mix.scale.numel() < 3 or tuple(mix.norm.shape) != (hidden,):
-            raise ValueError(f"next site: base must have {m} elements, scale 3 and norm [{hidden}], got "
-                             f"{mix.base.numel()}, {mix.scale.numel()} and {tuple(mix.norm.shape)}")
-        x = torch.empty((n, hidden), dtype=X.dtype, device=X.device)
     o = _rows(out) if out is not None else X
     a = _rows(addend) if addend is not None else o
     p, c = (post, comb) if out is not None else (X, X)
-    base, scale, norm = (_rows(mix.base), _rows(mix.scale), mix.norm) if mixing else (X, X, X)
     _post_kernel[(n, blocks)](
-        o, a, X, p, c, y if y is not None else X, fn if fn is not None else X, ws if ws is not None else X,
-        base, scale, norm, x if x is not None else X, _barrier_counters(X.device) if mixing else X, hidden,
-        mix.eps if mixing else 0.0, mix.norm_eps if mixing else 0.0,
+        o, a, X, p, c, y if y is not None else X, fn if fn is not None else X, ws if ws is not None else X, hidden,
         o.stride(0), a.stride(0), X.stride(0), y.stride(0) if y is not None else 0,
         *(p.stride(0), p.stride(1), c.stride(0), c.stride(1), c.stride(2)) if out is not None else (0,) * 5,
-        fn.stride(0) if fn is not None else 0, x.stride(0) if x is not None else 0, HC=hc, HC_PAD=next_pow2(hc),
-        M=m, M_PAD=next_pow2(max(m, 1)), W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None,
-        ADD=addend is not None, PARTIALS=fn is not None, MIX=blocks if mixing else 0, EARLY=early_loads(n),
-        num_warps=cfg.num_warps, **pdl_args(X, _post_kernel, hold=mixing))
-    return y, ws, x
+        fn.stride(0) if fn is not None else 0, HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=next_pow2(max(m, 1)),
+        W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None, ADD=addend is not None,
+        PARTIALS=fn is not None, EARLY=early_loads(n), num_warps=cfg.num_warps, **pdl_args(X, _post_kernel))
+    return y, ws
 
 
 def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
@@ -764,11 +650,9 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
     mixes = [hc_pre_reference(*site, **kw) for site in sites]
     norm = torch.ones(hidden, device=device, dtype=dtype)
 
-    def chain(i: int, mix: bool = False) -> tuple[torch.Tensor, ...]:
-        """A decode site's mHC: hc_post writing the next site's partials (and with `mix` its x, where it takes
-        it), that site's hc_pre (post and comb on the same stream)."""
-        X_new, ws = hc_post_chain_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2], config=post_config,
-                                         next_site=Site(*sites[i][1:], norm, kw["eps"], kw["norm_eps"]), mix=mix)
+    def chain(i: int) -> tuple[torch.Tensor, ...]:   # a decode site's mHC: hc_post writing the next partials
+        X_new, ws = hc_post_chain_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2], next_fn=sites[i][1],
+                                         config=post_config)
         return hc_pre_triton(X_new, *sites[i][1:], **kw, norm=norm, partials=ws)
 
     def chain_ref(i: int) -> tuple[torch.Tensor, ...]:
@@ -780,8 +664,8 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
                         lambda i: hc_pre_reference(*sites[i], **kw)),
              "hc_post": (lambda i: hc_post_triton(outs[i], sites[i][0], mixes[i][1], mixes[i][2]),
                          lambda i: hc_post_reference(outs[i], sites[i][0], mixes[i][1], mixes[i][2])),
-             "chain": (chain, chain_ref), "chain_mix": (lambda i: chain(i, mix=True), chain_ref)}
-    nbytes["chain"] = nbytes["chain_mix"] = nbytes["hc_pre"] + nbytes["hc_post"]
+             "chain": (chain, chain_ref)}
+    nbytes["chain"] = nbytes["hc_pre"] + nbytes["hc_post"]
     rows = []
     for op in ops:
         fused, ref = calls[op]
@@ -796,7 +680,7 @@ def _bench_n(n: int, device: torch.device, hc: int, hidden: int, iters: int, dty
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16, 2048), hc: int = 4,
           hidden: int = 4096, iters: int = 20, dtype: torch.dtype = torch.bfloat16, config: HcConfig | None = None,
-          ops: Sequence[str] = ("hc_pre", "hc_post", "chain", "chain_mix"), torch_ref: bool = True,
+          ops: Sequence[str] = ("hc_pre", "hc_post", "chain"), torch_ref: bool = True,
           l2_miss_bytes: int = 192 << 20, quiet: bool = False, post_config: PostConfig | None = None) -> list[dict]:
     """hc_pre and hc_post, fused vs torch, each replayed from a CUDA graph of `copies` calls on distinct
     inputs (fn, X, out) totalling >= l2_miss_bytes, so each call reads its bytes from DRAM as consecutive
@@ -812,7 +696,7 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
     rows = []
     for n in tokens:
         if n > GEMV_MAX_N:
-            ops = [op for op in ops if not op.startswith("chain")]   # decode sizes only
+            ops = [op for op in ops if op != "chain"]   # decode sizes only
         for r in _bench_n(n, device, hc, hidden, iters, dtype, config, ops, torch_ref, l2_miss_bytes, post_config):
             rows.append(r)
             if not quiet:
@@ -822,11 +706,10 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
         torch.cuda.empty_cache()
     if not quiet and "chain" in ops:
         for n in (t for t in tokens if t <= GEMV_MAX_N):
-            per_step = {op: 86 * sum(r["us"] for r in rows if r["N"] == n and r["op"] in op.split("+"))
-                        for op in ("chain", "chain_mix", "hc_pre+hc_post")}
-            print(f"per decode step at N={n} (43 layers x 2 sites): the chain {per_step['chain']:6.0f} us, mixing "
-                  f"in hc_post {per_step['chain_mix']:6.0f} us, pre + post apart {per_step['hc_pre+hc_post']:6.0f} "
-                  f"us (without their rms_norm launch)")
+            chained = 86 * sum(r["us"] for r in rows if r["N"] == n and r["op"] == "chain")
+            apart = 86 * sum(r["us"] for r in rows if r["N"] == n and r["op"] != "chain")
+            print(f"per decode step at N={n} (43 layers x 2 sites): the chain {chained:6.0f} us, pre + post "
+                  f"apart {apart:6.0f} us (without their rms_norm launch)")
     return rows
 
 

@@ -285,20 +285,13 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
             if PDL != 2:
                 tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def pdl_release(PDL: tl.constexpr):
-        """Let the kernel after launch from here on: for a kernel whose `pdl_start` held it (PDL_HOLD) until a
-        point of its own (a grid barrier that needs all of its programs resident first)."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
 else:
-    pdl_start = pdl_release = device_exp = device_cos = device_sin = None
+    pdl_start = device_exp = device_cos = device_sin = None
 
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
            "num_sms", "interpreting", "versions", "bench_start", "graph_us", "build_sm90", "cubin_dump",
            "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
-           "pdl_enabled", "pdl_args", "pdl_held", "default_hold", "pdl_start", "pdl_release", "PDL_HOLD", "device_exp",
+           "pdl_enabled", "pdl_args", "pdl_held", "default_hold", "pdl_start", "PDL_HOLD", "device_exp",
            "device_cos", "device_sin"]
 
