@@ -168,33 +168,24 @@ def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
     @triton.jit
-    def _tile(q0, q1, acc0, acc1, m, l, k_ptrs, kmask, dmask0, dmask1, scale, DH: tl.constexpr,
-              SPLIT_P: tl.constexpr):
-        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D], q and acc as their two
-        column halves [.., DH] (k_ptrs: the first half's columns): each product is two independent MMA chains
-        half as long as one."""
-        k0 = tl.load(k_ptrs, mask=kmask[:, None] & dmask0[None, :], other=0.0).to(q0.dtype)
-        k1 = tl.load(k_ptrs + DH, mask=kmask[:, None] & dmask1[None, :], other=0.0).to(q0.dtype)
-        s = (tl.dot(q0, tl.trans(k0), input_precision="ieee", out_dtype=tl.float32)
-             + tl.dot(q1, tl.trans(k1), input_precision="ieee", out_dtype=tl.float32)) * scale       # [HB, BK]
+    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, SPLIT_P: tl.constexpr):
+        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]."""
+        k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32) * scale         # [HB, BK]
         s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))          # m starts at the sink: always finite
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
+        acc = acc * alpha[:, None]
         if SPLIT_P:   # p = hi + lo in the 16-bit dtype: two exact-product MMAs, ~2^-17 relative error
-            hi = p.to(k0.dtype)
-            lo = (p - hi.to(tl.float32)).to(k0.dtype)
-            acc0 = tl.dot(hi, k0, acc0, out_dtype=tl.float32)
-            acc1 = tl.dot(hi, k1, acc1, out_dtype=tl.float32)
-            acc0 = tl.dot(lo, k0, acc0, out_dtype=tl.float32)
-            acc1 = tl.dot(lo, k1, acc1, out_dtype=tl.float32)
+            hi = p.to(k.dtype)
+            lo = (p - hi.to(tl.float32)).to(k.dtype)
+            acc = tl.dot(hi, k, acc, out_dtype=tl.float32)
+            acc = tl.dot(lo, k, acc, out_dtype=tl.float32)
         else:
-            acc0 = tl.dot(p, k0, acc0, input_precision="ieee", out_dtype=tl.float32)
-            acc1 = tl.dot(p, k1, acc1, input_precision="ieee", out_dtype=tl.float32)
-        return acc0, acc1, m_new, l
+            acc = tl.dot(p, k, acc, input_precision="ieee", out_dtype=tl.float32)
+        return acc, m_new, l
 
     @triton.jit
     def _attend_kernel(q_ptr, ring_ptr, slot_ptr, wvis_ptr, ent_ptr, rows_ptr, valid_ptr, sink_ptr,
@@ -209,21 +200,17 @@ if HAVE_TRITON:
         pdl_start(PDL)
         b = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
-        DH: tl.constexpr = D_PAD // 2
         offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
-        offs_d = tl.arange(0, DH)                          # a column half
+        offs_d = tl.arange(0, D_PAD)
         offs_k = tl.arange(0, BLOCK_K)
         mh = offs_h < NH
-        md0 = offs_d < D
-        md1 = offs_d + DH < D
-        q_rows = q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :]
-        q0 = tl.load(q_rows, mask=mh[:, None] & md0[None, :], other=0.0)
-        q1 = tl.load(q_rows + DH, mask=mh[:, None] & md1[None, :], other=0.0)
+        md = offs_d < D
+        q = tl.load(q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :], mask=mh[:, None] & md[None, :],
+                    other=0.0)
         sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
         m = sink
         l = tl.zeros([HB], dtype=tl.float32)
-        acc0 = tl.zeros([HB, DH], dtype=tl.float32)
-        acc1 = tl.zeros([HB, DH], dtype=tl.float32)
+        acc = tl.zeros([HB, D_PAD], dtype=tl.float32)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         t0 = sp * TILES_PER_SPLIT
         t1 = tl.minimum(t0 + TILES_PER_SPLIT, NT)
@@ -237,8 +224,7 @@ if HAVE_TRITON:
             kk = t * BLOCK_K + offs_k
             kn = kk + BLOCK_K
             vis_n = (kn < R) & (tl.load(wvis_ptr + b * s_wb + kn, mask=kn < R, other=0) != 0)
-            acc0, acc1, m, l = _tile(q0, q1, acc0, acc1, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md0,
-                                     md1, scale, DH, SPLIT_P)
+            acc, m, l = _tile(q, acc, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md, scale, SPLIT_P)
             vis = vis_n
         if HAS_ENT:
             ent_b = ent_ptr + slot * s_es + offs_d[None, :]
@@ -256,22 +242,19 @@ if HAVE_TRITON:
                     row_n = en.to(tl.int64)
                 else:
                     row_n = tl.load(rows_ptr + b * s_rowb + en, mask=ok_n, other=0).to(tl.int64)
-                acc0, acc1, m, l = _tile(q0, q1, acc0, acc1, m, l, ent_b + row[:, None] * s_er, ok, md0, md1, scale,
-                                         DH, SPLIT_P)
+                acc, m, l = _tile(q, acc, m, l, ent_b + row[:, None] * s_er, ok, md, scale, SPLIT_P)
                 ok = ok_n
                 row = row_n
+        mhd = mh[:, None] & md[None, :]
         if FINAL:
-            den = (l + tl.exp(sink - m))[:, None]
-            o_rows = out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :]
-            tl.store(o_rows, (acc0 / den).to(out_ptr.dtype.element_ty), mask=mh[:, None] & md0[None, :])
-            tl.store(o_rows + DH, (acc1 / den).to(out_ptr.dtype.element_ty), mask=mh[:, None] & md1[None, :])
+            o = acc / (l + tl.exp(sink - m))[:, None]
+            tl.store(out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=mhd)
         else:
             row_p = (b * NSPLIT + sp) * NH + offs_h                                  # [HB] of [B, SPLIT, nh]
             tl.store(pm_ptr + row_p, m, mask=mh)
             tl.store(pl_ptr + row_p, l, mask=mh)
-            po_rows = po_ptr + row_p.to(tl.int64)[:, None] * D + offs_d[None, :]
-            tl.store(po_rows, acc0, mask=mh[:, None] & md0[None, :])
-            tl.store(po_rows + DH, acc1, mask=mh[:, None] & md1[None, :])
+            tl.store(po_ptr + row_p.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=mhd)
 
     @triton.jit
     def _unrope(o, col0, pos, inv_ptr, D: tl.constexpr, RD: tl.constexpr):
@@ -420,7 +403,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     nw, ne = cdiv(r, cfg0.block_k), cdiv(ke, cfg0.block_k)
     cfg = resolve_config(cfg0, b, nh, nw + ne, num_sms(q.device))
     tps = cdiv(nw + ne, cfg.split)          # tiles per split (resolve_config: none empty)
-    hb, d_pad = cfg.heads, max(32, next_pow2(d))   # two column halves of >= 16 (an MMA's smallest K)
+    hb, d_pad = cfg.heads, max(16, next_pow2(d))
     wvis = _contig_last(window_visible).view(torch.uint8)
     sink = sink.reshape(nh)
     sink = _contig_last(sink)
@@ -580,7 +563,7 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
     ints = dict(NH=nh, R=ring_rows, KE=ke, NW=nw, NT=nw + ne, TILES_PER_SPLIT=cdiv(nw + ne, cfg.split),
                 NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
-    const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=max(32, next_pow2(d)), HAS_ENT=kind != "sliding",
+    const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
                  ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, PDL=False)
     names = _attend_kernel.arg_names
     sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "i32" for a in names if a not in const}
