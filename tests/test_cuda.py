@@ -61,13 +61,13 @@ def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path):
     assert diff <= 1e-3
 
 
-@pytest.mark.parametrize("overlap", ["1", "0", "switches off", "l2 prefetch"])
+@pytest.mark.parametrize("overlap", ["1", "0", "switches off"])
 def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, overlap):
     """Captured decode steps (padded to the captured batch size, spare rows on the scratch slot) give the logits
     of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; with the side
     streams (every Branch forks and joins inside the captured step) and without; with the side streams' priority,
     the early fork, the key store and router kernels and the rank top-k off (they are on by default at these
-    batch sizes); and with the L2 prefetches on (off by default)."""
+    batch sizes)."""
     from moebox.model.batch import DecodeBatch
     from moebox.runtime.graphs import DecodeGraphs
     if overlap == "switches off":
@@ -75,12 +75,6 @@ def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, o
         for switch in ("MOEBOX_EARLY_FORK", "MOEBOX_SIDE_PRIORITY", "MOEBOX_KEYS_KERNEL", "MOEBOX_ROUTER_KERNEL",
                        "MOEBOX_TOPK_RANK"):
             monkeypatch.setenv(switch, "0")
-    prefetches = None
-    if overlap == "l2 prefetch":   # wo_a's and wq_b's L2 prefetches on their side stream (off by default)
-        from moebox.ops.triton import l2_prefetch
-        overlap, prefetches, real = "1", [], l2_prefetch.l2_prefetch
-        monkeypatch.setattr(l2_prefetch, "l2_prefetch", lambda *a: prefetches.append(1) or real(*a))
-        monkeypatch.setenv("MOEBOX_L2_PREFETCH", "wo_a:1,wq_b:1")
     monkeypatch.setenv("MOEBOX_OVERLAP", overlap)
     model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",
                           store_dir=tmp_path / "store", progress=False)
@@ -97,7 +91,6 @@ def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, o
         want = model.forward(DecodeBatch(*(torch.tensor(v, device="cuda") for v in (tokens, positions, live))),
                              caches[1]).logits.float().cpu()
         assert (got - want).abs().max().item() <= 1e-5, pos
-    assert prefetches is None or len(prefetches) > 0
 
 
 def test_engine_with_graphs_generates_the_eager_tokens(tiny_ckpt, tmp_path):

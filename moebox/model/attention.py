@@ -27,7 +27,6 @@ from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import inverse_rope, norm_rope, query_rope, rope_inv_freq
 from moebox.ops.streams import Branch
-from moebox.ops.triton.l2_prefetch import prefetch_branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 WeightSource = Callable[[str], Weight]
@@ -182,9 +181,7 @@ class Attention:
             idx = (qi, rest[2], icomp)
         keys_branch.join()
 
-        prefetch = None
         if decode:   # the inverse RoPE applied
-            prefetch = prefetch_branch(q, self.wo_a, "wo_a")   # L2 fills while the core leaves DRAM idle
             out = self._attend_decode(batch, q, idx, stored, cache)
         else:
             if cache is None and (t := batch.uniform_length()) is not None:
@@ -195,10 +192,7 @@ class Attention:
                     out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
             out = inverse_rope(out, pos, self.inv_freq)
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
-        y = linear(o.flatten(1), self.wo_b)
-        if prefetch is not None:   # joined after wo_b's launch: the edge lands on the block's hc_post, which
-            prefetch.join()        # waits for the mHC coefficients' branch there anyway
-        return y
+        return linear(o.flatten(1), self.wo_b)
 
     def _pool_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The compressors' and the indexer's products of x (empty in sliding layers), in x's dtype (on the GPU:

@@ -13,7 +13,6 @@ from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
 from moebox.ops.mhc import hc_post_chain, hc_pre
 from moebox.ops.streams import Branch
-from moebox.ops.triton.l2_prefetch import prefetch_branch
 
 
 class Block:
@@ -32,16 +31,8 @@ class Block:
                  partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """X [N, hc, H] -> (the new streams, the partials of the next block's first mHC site: see `_site`)."""
         decode = isinstance(batch, DecodeBatch)
-        # the query product's weight asked for in L2 while the attention site's mHC and wq_a run (off by default)
-        prefetch = prefetch_branch(X, self.attn.from_qr.stacked()[0], "wq_b") if decode else None
-
-        def attention(x: torch.Tensor) -> tuple[torch.Tensor, None]:
-            out = self.attn(x, batch, cache)
-            if prefetch is not None:   # after wo_b's launch: the edge lands on hc_post, beside the coefficients'
-                prefetch.join()
-            return out, None
-
-        X, partials = self._site(X, self.hc_attn, self.attn_norm, attention, decode, partials, self.hc_ffn[0])
+        X, partials = self._site(X, self.hc_attn, self.attn_norm, lambda x: (self.attn(x, batch, cache), None),
+                                 decode, partials, self.hc_ffn[0])
         return self._site(X, self.hc_ffn, self.ffn_norm, lambda x: self.ffn.parts(x, batch.tokens), decode,
                           partials, self.next_fn)
 

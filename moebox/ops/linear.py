@@ -100,10 +100,6 @@ class SharedInputLinear:
         self.rows = [w.shape[0] for w in weights]
         self.parts = [(idx, _stack_rows([weights[i] for i in idx])) for idx in groups.values()]
 
-    def stacked(self) -> list[Weight]:
-        """The weights its products read (each a stack of the given ones that share a format)."""
-        return [w for _, w in self.parts]
-
     def __call__(self, x: torch.Tensor, norm: Norm | None = None) -> list[torch.Tensor]:
         """x @ w.T for each weight, in the order given (column slices of a shared product are views); with `norm`
         = (weight, eps), of rms_norm(x, weight, eps): one product takes it along (see `linear`), several share
