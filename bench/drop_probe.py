@@ -67,7 +67,7 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     "wqb": [_wrap("moebox/model/attention.py", "        q, *index_q = ",
                   "self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))", "wqb", ATTN_KEY)],
     "wo": [("moebox/model/attention.py", """        o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
-        y = linear(o.flatten(1), self.wo_b)""", """        y = cached("wo", (id(self), n), lambda: linear(grouped_linear(
+        return linear(o.flatten(1), self.wo_b)""", """        return cached("wo", (id(self), n), lambda: linear(grouped_linear(
             out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups).flatten(1), self.wo_b))""")],
     # mHC's hc_pre at each site (its coefficients' side stream off with it) and hc_post
     "mix": [("moebox/model/block.py", """        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
