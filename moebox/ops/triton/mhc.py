@@ -82,7 +82,6 @@ CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -92,8 +91,9 @@ from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_referenc
 from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, early_loads, graph_us,  # noqa: F401
-                                       next_pow2, num_sms, pdl_args, pdl_start, rel_err, tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, early_loads,  # noqa: F401
+                                       env_token_count, graph_us, next_pow2, num_sms, pdl_args, pdl_start, rel_err,
+                                       tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -147,12 +147,7 @@ def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> i
 
 def _gemv_max_n() -> int:
     """The largest batch that takes the gemv logits kernel: MOEBOX_MHC_GEMV (0: none), else GEMV_MAX_N."""
-    value = os.environ.get("MOEBOX_MHC_GEMV", str(GEMV_MAX_N))
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"MOEBOX_MHC_GEMV must be a token count (0: the dot kernel at every N), got {value!r}") \
-            from None
+    return env_token_count("MOEBOX_MHC_GEMV", GEMV_MAX_N, "the dot kernel at every N")
 
 
 def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
