@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import textwrap
-from dataclasses import replace
 
 import pytest
 import torch
@@ -138,20 +137,6 @@ def test_resolve_config() -> None:
     assert [pick_config(b, 64, 21).num_stages for b in (1, 16, 17, 2048)] == [2, 2, 3, 3]
 
 
-def test_column_chunks_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOEBOX_ATTEND_D_CHUNKS sets the default tilings' column chunks (unset: 1), and names a bad value; a chunk
-    keeps >= 16 columns or the kernel takes one."""
-    from moebox.ops.triton.decode_attention import _d_chunks, default_config
-    assert {default_config(b).d_chunks for b in (1, 8, 16, 17)} == {1}
-    monkeypatch.setenv("MOEBOX_ATTEND_D_CHUNKS", "4")
-    assert {default_config(b).d_chunks for b in (1, 8, 16, 17)} == {4}
-    monkeypatch.setenv("MOEBOX_ATTEND_D_CHUNKS", "3")
-    with pytest.raises(ValueError, match="MOEBOX_ATTEND_D_CHUNKS must be 1, 2 or 4"):
-        default_config(1)
-    assert [_d_chunks(AttendConfig(d_chunks=4), d_pad) for d_pad in (32, 64, 512)] == [1, 4, 4]
-    assert _d_chunks(AttendConfig(d_chunks=2), 32) == 2
-
-
 def test_the_inverse_rope_goes_in_the_combine_at_batch_1_and_from_4() -> None:
     """The measured policy (`rope_in_combine`): batch 2 lost with the rotation in the combine, 1 and 4-16 did
     not."""
@@ -240,12 +225,7 @@ _INTERPRETER_CHECK = textwrap.dedent("""
              # the combine's splits unrolled (3 splits in 4 slots: one masked) and looped over, fp32 and fp16
              ("csa", 3, 4, 32, 16, 12, 4, f32, AttendConfig(block_k=8, split=3, combine_unroll=4), (1,)),
              ("hca", 3, 4, 32, 16, 12, 0, f16, AttendConfig(block_k=8, split=3, combine_heads=2, combine_block_d=16,
-                                                          combine_unroll=4), (0,)),
-             # column chunks: 4 of 16 with 2 splits, 2 with one split (the output written by the main kernel),
-             # and 2 chunks of 32 for d 48 (the second one partly masked)
-             ("csa", 3, 4, 64, 16, 12, 4, f32, AttendConfig(block_k=16, split=2, d_chunks=4), (1,)),
-             ("hca", 3, 4, 32, 16, 12, 0, f16, AttendConfig(block_k=16, split=1, d_chunks=2), (0,)),
-             ("csa", 1, 2, 48, 8, 12, 3, f32, AttendConfig(block_k=16, d_chunks=2), ())]
+                                                          combine_unroll=4), (0,))]
     for i, (kind, b, nh, d, r, e, k, dt, cfg, masked) in enumerate(cases):
         inp = tiny(kind, b, nh, d, r, e, k, dt, seed=i, masked=masked, fill=0.5 if i % 2 else 1.0)
         add(f"{kind} B={b} nh={nh} d={d} R={r} E={e} k={k} {dt}", inp, cfg, tol[dt], masked)
@@ -307,10 +287,8 @@ def test_default_tiling_builds_for_sm90() -> None:
     """Build the main kernel for sm_90 here (no GPU needed) at the V4-Flash shape: no spills, tensor-core dots,
     and the key tiles pipelined with cp.async (which needs the masks loaded one tile ahead)."""
     from moebox.ops.triton.decode_attention import sass_report
-    from moebox.ops.triton.decode_attention import DECODE_CONFIG_1
-    for kind, config, batch in [(kind, None, 16) for kind in ("csa", "hca", "sliding")] + [
-            (kind, replace(DECODE_CONFIG_1, d_chunks=c), 1) for kind in ("csa", "hca") for c in (2, 4)]:
-        rep = sass_report(**({} if config is None else dict(config=config)), kind=kind, batch=batch)
+    for kind in ("csa", "hca", "sliding"):
+        rep = sass_report(kind=kind)
         assert rep["spills"] == 0 and "LDL" not in rep["sass"] and "STL" not in rep["sass"], rep
         assert rep["sass"].get("HMMA", 0) + rep["sass"].get("HGMMA", 0) > 0, rep
         assert rep["sass"].get("LDGSTS", 0) > 0 and rep["ptx_cp_async"] > 0, rep
@@ -426,9 +404,8 @@ def test_gpu_dtypes(case: str) -> None:
                                     AttendConfig(heads=32, block_k=64), AttendConfig(block_k=16, num_stages=3),
                                     AttendConfig(heads=16, block_k=64, split=5, combine_heads=64,
                                                  combine_block_d=512),
-                                    AttendConfig(split=11, combine_heads=8, combine_block_d=64, combine_unroll=16),
-                                    AttendConfig(d_chunks=2), AttendConfig(split=1, num_stages=3, d_chunks=4)],
-                         ids=lambda c: f"h{c.heads}k{c.block_k}s{c.split}w{c.num_warps}d{c.d_chunks}")
+                                    AttendConfig(split=11, combine_heads=8, combine_block_d=64, combine_unroll=16)],
+                         ids=lambda c: f"h{c.heads}k{c.block_k}s{c.split}w{c.num_warps}")
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_forced_tilings(config: AttendConfig) -> None:

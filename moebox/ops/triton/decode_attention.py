@@ -83,7 +83,6 @@ report per tiling, no GPU needed).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -104,10 +103,7 @@ class AttendConfig:
     programs, at least `min_tiles` tiles per split), num_warps / num_stages of the main kernel; the combine
     kernel takes `combine_heads` heads x `combine_block_d` columns per program, and with up to
     `combine_unroll` splits (0: never) issues every split's loads at once (one L2 round trip) instead of one
-    split after the other. `d_chunks` (1, 2 or 4; MOEBOX_ATTEND_D_CHUNKS sets the default tilings'): q, the
-    keys and the accumulator as that many column chunks, each product a batched dot of as many independent MMA
-    chains (twenty-seventh session: a batch-1 program spends ~4.4 us a 32-key tile, most of it the latency of
-    one warp's chain of 32 dependent HMMAs for the scores and the softmax's reductions; not yet measured)."""
+    split after the other."""
 
     heads: int = 16
     block_k: int = 32
@@ -119,7 +115,6 @@ class AttendConfig:
     combine_heads: int = 16
     combine_block_d: int = 128
     combine_unroll: int = 0
-    d_chunks: int = 1
 
 
 DEFAULT_CONFIG = AttendConfig()
@@ -159,17 +154,10 @@ def default_config(batch: int) -> AttendConfig:
     """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16 (`DECODE_CONFIG_1` at 1,
     `DECODE_CONFIG_8` from 5 to 8), else `DEFAULT_CONFIG`."""
     if batch == 1:
-        cfg = DECODE_CONFIG_1
-    elif 4 < batch <= 8:
-        cfg = DECODE_CONFIG_8
-    else:
-        cfg = DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
-    chunks = os.environ.get("MOEBOX_ATTEND_D_CHUNKS")
-    if chunks is None:
-        return cfg
-    if chunks not in ("1", "2", "4"):
-        raise ValueError(f"MOEBOX_ATTEND_D_CHUNKS must be 1, 2 or 4, got {chunks!r}")
-    return replace(cfg, d_chunks=int(chunks))
+        return DECODE_CONFIG_1
+    if 4 < batch <= 8:
+        return DECODE_CONFIG_8
+    return DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
 
 
 def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
@@ -180,32 +168,16 @@ def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
     @triton.jit
-    def _per_row(x, D_CHUNKS: tl.constexpr):
-        """x [n] laid along the rows of a [n, D] tile, or of each chunk of a [D_CHUNKS, n, D / D_CHUNKS] one."""
-        if D_CHUNKS == 1:
-            y = x[:, None]
-        else:
-            y = x[None, :, None]
-        return y
-
-    @triton.jit
-    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, SPLIT_P: tl.constexpr, D_CHUNKS: tl.constexpr):
-        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]; with D_CHUNKS > 1, q,
-        the keys and acc come as [D_CHUNKS, .., D / D_CHUNKS] column chunks (k_ptrs, dmask shaped so), and each
-        product is D_CHUNKS independent MMA chains (a batched dot), the scores' chain D_CHUNKS times shorter."""
-        k = tl.load(k_ptrs, mask=_per_row(kmask, D_CHUNKS) & dmask, other=0.0).to(q.dtype)
-        if D_CHUNKS == 1:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            s = tl.sum(tl.dot(q, tl.permute(k, (0, 2, 1)), input_precision="ieee", out_dtype=tl.float32), axis=0)
-        s = tl.where(kmask[None, :], s * scale, float("-inf"))                                  # [HB, BK]
+    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, SPLIT_P: tl.constexpr):
+        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]."""
+        k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32) * scale         # [HB, BK]
+        s = tl.where(kmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))          # m starts at the sink: always finite
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * _per_row(alpha, D_CHUNKS)
-        if D_CHUNKS > 1:
-            p = tl.broadcast_to(p[None, :, :], (D_CHUNKS, p.shape[0], p.shape[1]))
+        acc = acc * alpha[:, None]
         if SPLIT_P:   # p = hi + lo in the 16-bit dtype: two exact-product MMAs, ~2^-17 relative error
             hi = p.to(k.dtype)
             lo = (p - hi.to(tl.float32)).to(k.dtype)
@@ -222,47 +194,40 @@ if HAVE_TRITON:
                        s_qb, s_qh, s_rs, s_rr, s_wb, s_es, s_er, s_rowb, s_vb, s_ob, s_oh,
                        D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
                        HAS_ENT: tl.constexpr,
-                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr, D_CHUNKS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, g): sequence b, heads [g*HB, (g+1)*HB), key tiles [s*TPS, (s+1)*TPS) of the NT tiles
-        (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials.
-        D_CHUNKS: the column chunks of q, the keys and acc (`_tile`)."""
+        (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials."""
         pdl_start(PDL)
         b = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
         offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
-        if D_CHUNKS == 1:
-            offs_d = tl.arange(0, D_PAD)[None, :]                                          # [1, D_PAD]
-        else:   # [D_CHUNKS, 1, D_PAD / D_CHUNKS]: chunk c holds columns c * DC..
-            DC: tl.constexpr = D_PAD // D_CHUNKS
-            offs_d = tl.arange(0, D_CHUNKS)[:, None, None] * DC + tl.arange(0, DC)[None, None, :]
+        offs_d = tl.arange(0, D_PAD)
         offs_k = tl.arange(0, BLOCK_K)
         mh = offs_h < NH
         md = offs_d < D
-        mhd = _per_row(mh, D_CHUNKS) & md
-        q = tl.load(q_ptr + b * s_qb + _per_row(offs_h, D_CHUNKS) * s_qh + offs_d, mask=mhd, other=0.0)
+        q = tl.load(q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :], mask=mh[:, None] & md[None, :],
+                    other=0.0)
         sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
         m = sink
         l = tl.zeros([HB], dtype=tl.float32)
-        acc = tl.zeros(q.shape, dtype=tl.float32)
+        acc = tl.zeros([HB, D_PAD], dtype=tl.float32)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         t0 = sp * TILES_PER_SPLIT
         t1 = tl.minimum(t0 + TILES_PER_SPLIT, NT)
         # The masks (and entry rows) of tile t+1 are loaded in iteration t and carried: a tile's key load then
         # depends on no load of its own iteration, so Triton's pipeliner issues it num_stages - 1 iterations
         # ahead (cp.async into shared memory); with them loaded in-iteration it is not pipelined at all.
-        ring_b = ring_ptr + slot * s_rs + offs_d
+        ring_b = ring_ptr + slot * s_rs + offs_d[None, :]
         kk = t0 * BLOCK_K + offs_k
         vis = (kk < R) & (tl.load(wvis_ptr + b * s_wb + kk, mask=kk < R, other=0) != 0)
         for t in range(t0, tl.minimum(t1, NW)):
             kk = t * BLOCK_K + offs_k
             kn = kk + BLOCK_K
             vis_n = (kn < R) & (tl.load(wvis_ptr + b * s_wb + kn, mask=kn < R, other=0) != 0)
-            acc, m, l = _tile(q, acc, m, l, ring_b + _per_row(kk.to(tl.int64), D_CHUNKS) * s_rr, vis, md, scale,
-                              SPLIT_P, D_CHUNKS)
+            acc, m, l = _tile(q, acc, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md, scale, SPLIT_P)
             vis = vis_n
         if HAS_ENT:
-            ent_b = ent_ptr + slot * s_es + offs_d
+            ent_b = ent_ptr + slot * s_es + offs_d[None, :]
             e0 = tl.maximum(t0, NW)
             e = (e0 - NW) * BLOCK_K + offs_k
             ok = (e < KE) & (tl.load(valid_ptr + b * s_vb + e, mask=e < KE, other=0) != 0)
@@ -277,19 +242,19 @@ if HAVE_TRITON:
                     row_n = en.to(tl.int64)
                 else:
                     row_n = tl.load(rows_ptr + b * s_rowb + en, mask=ok_n, other=0).to(tl.int64)
-                acc, m, l = _tile(q, acc, m, l, ent_b + _per_row(row, D_CHUNKS) * s_er, ok, md, scale, SPLIT_P,
-                                  D_CHUNKS)
+                acc, m, l = _tile(q, acc, m, l, ent_b + row[:, None] * s_er, ok, md, scale, SPLIT_P)
                 ok = ok_n
                 row = row_n
+        mhd = mh[:, None] & md[None, :]
         if FINAL:
-            o = acc / _per_row(l + tl.exp(sink - m), D_CHUNKS)
-            tl.store(out_ptr + b * s_ob + _per_row(offs_h, D_CHUNKS) * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+            o = acc / (l + tl.exp(sink - m))[:, None]
+            tl.store(out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=mhd)
         else:
             row_p = (b * NSPLIT + sp) * NH + offs_h                                  # [HB] of [B, SPLIT, nh]
             tl.store(pm_ptr + row_p, m, mask=mh)
             tl.store(pl_ptr + row_p, l, mask=mh)
-            tl.store(po_ptr + _per_row(row_p.to(tl.int64), D_CHUNKS) * D + offs_d, acc, mask=mhd)
+            tl.store(po_ptr + row_p.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=mhd)
 
     @triton.jit
     def _unrope(o, col0, pos, inv_ptr, D: tl.constexpr, RD: tl.constexpr):
@@ -351,13 +316,6 @@ if HAVE_TRITON:
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
-def _d_chunks(cfg: AttendConfig, d_pad: int) -> int:
-    """cfg.d_chunks where each chunk keeps >= 16 columns (an MMA's smallest K), else 1."""
-    if cfg.d_chunks not in (1, 2, 4):
-        raise ValueError(f"AttendConfig.d_chunks must be 1, 2 or 4, got {cfg.d_chunks}")
-    return cfg.d_chunks if d_pad // cfg.d_chunks >= 16 else 1
-
-
 def supported(q: torch.Tensor, ring: object, slot: torch.Tensor, window_visible: torch.Tensor,
               sink: torch.Tensor, entries: object = None, rows: torch.Tensor | None = None,
               valid: torch.Tensor | None = None) -> bool:
@@ -471,7 +429,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
         out.stride(0), out.stride(1),
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
-        SPLIT_P=q.dtype != torch.float32, FINAL=final, D_CHUNKS=_d_chunks(cfg, d_pad), num_warps=cfg.num_warps,
+        SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(q, _attend_kernel))
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
@@ -606,8 +564,7 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
                 NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
     const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
-                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1,
-                 D_CHUNKS=_d_chunks(cfg, next_pow2(d)), PDL=False)
+                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, PDL=False)
     names = _attend_kernel.arg_names
     sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "i32" for a in names if a not in const}
     aligned = [a for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
@@ -711,10 +668,9 @@ def _sweep_name(c: AttendConfig) -> str:
     d = DEFAULT_CONFIG
     combine = (c.combine_heads, c.combine_block_d, c.combine_unroll)
     return (f"h{c.heads}k{c.block_k}w{c.num_warps}s{c.num_stages}" + (f"x{c.waves:g}" if c.waves != d.waves else "")
-            + (f"p{c.split}" if c.split else "")
             + (f"t{c.min_tiles}" if c.min_tiles != d.min_tiles else "")
             + ("c{}x{}u{}".format(*combine) if combine != (d.combine_heads, d.combine_block_d, d.combine_unroll)
-               else "") + (f"d{c.d_chunks}" if c.d_chunks != 1 else ""))
+               else ""))
 
 
 SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in (
@@ -737,11 +693,7 @@ SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in
     AttendConfig(num_stages=2, combine_heads=4, combine_block_d=64, combine_unroll=32),
     # batch 8-16 (not yet swept there): longer tiles, fewer loop trips; more warps a program
     AttendConfig(heads=16, block_k=64, num_warps=8, num_stages=2),
-    AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2),
-    # column chunks: batch 1's tiling with 1 / 2 / 4 chunks at 2 and 3 stages, then one split (a program walks
-    # every tile: the time a tile takes, 44 us for HCA's 10 on the H200 with 1 chunk, twenty-seventh session)
-    *(replace(DECODE_CONFIG_1, d_chunks=c, num_stages=st) for c in (1, 2, 4) for st in (2, 3)),
-    *(replace(DECODE_CONFIG_1, d_chunks=c, split=1, num_warps=4, num_stages=3) for c in (1, 2, 4))))
+    AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2)))
 
 
 def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
