@@ -83,6 +83,7 @@ report per tiling, no GPU needed).
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -103,7 +104,8 @@ class AttendConfig:
     programs, at least `min_tiles` tiles per split), num_warps / num_stages of the main kernel; the combine
     kernel takes `combine_heads` heads x `combine_block_d` columns per program, and with up to
     `combine_unroll` splits (0: never) issues every split's loads at once (one L2 round trip) instead of one
-    split after the other."""
+    split after the other. `split_p` (16-bit q): p enters the value product as hi + lo in two MMAs (~2^-17
+    relative error); False rounds it to q's dtype once, one MMA (~2^-9 a weight, as FlashAttention does)."""
 
     heads: int = 16
     block_k: int = 32
@@ -115,6 +117,7 @@ class AttendConfig:
     combine_heads: int = 16
     combine_block_d: int = 128
     combine_unroll: int = 0
+    split_p: bool = True
 
 
 DEFAULT_CONFIG = AttendConfig()
@@ -152,12 +155,20 @@ def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int 
 
 def default_config(batch: int) -> AttendConfig:
     """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16 (`DECODE_CONFIG_1` at 1,
-    `DECODE_CONFIG_8` from 5 to 8), else `DEFAULT_CONFIG`."""
+    `DECODE_CONFIG_8` from 5 to 8), else `DEFAULT_CONFIG`; then the A/B switches MOEBOX_ATTEND_SPLIT_P=0 (p in
+    one 16-bit MMA) and MOEBOX_ATTEND_MIN_TILES=n (a split's least tiles)."""
     if batch == 1:
-        return DECODE_CONFIG_1
-    if 4 < batch <= 8:
-        return DECODE_CONFIG_8
-    return DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
+        cfg = DECODE_CONFIG_1
+    elif 4 < batch <= 8:
+        cfg = DECODE_CONFIG_8
+    else:
+        cfg = DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
+    split_p = os.environ.get("MOEBOX_ATTEND_SPLIT_P", "1")
+    tiles = os.environ.get("MOEBOX_ATTEND_MIN_TILES", str(cfg.min_tiles))
+    if split_p not in ("0", "1") or not tiles.isdigit() or int(tiles) < 1:
+        raise ValueError(f"MOEBOX_ATTEND_SPLIT_P must be 0 or 1 (got {split_p!r}) and MOEBOX_ATTEND_MIN_TILES a "
+                         f"tile count >= 1 (got {tiles!r})")
+    return replace(cfg, split_p=split_p == "1", min_tiles=int(tiles))
 
 
 def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
@@ -168,8 +179,9 @@ def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
     @triton.jit
-    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, SPLIT_P: tl.constexpr):
-        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]."""
+    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, P_MODE: tl.constexpr):
+        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]. P_MODE, how p enters
+        the value product: 0 fp32 (fp32 q), 1 rounded to q's dtype, 2 as hi + lo in q's dtype."""
         k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32) * scale         # [HB, BK]
         s = tl.where(kmask[None, :], s, float("-inf"))
@@ -178,11 +190,13 @@ if HAVE_TRITON:
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        if SPLIT_P:   # p = hi + lo in the 16-bit dtype: two exact-product MMAs, ~2^-17 relative error
+        if P_MODE == 2:   # p = hi + lo in the 16-bit dtype: two exact-product MMAs, ~2^-17 relative error
             hi = p.to(k.dtype)
             lo = (p - hi.to(tl.float32)).to(k.dtype)
             acc = tl.dot(hi, k, acc, out_dtype=tl.float32)
             acc = tl.dot(lo, k, acc, out_dtype=tl.float32)
+        elif P_MODE == 1:
+            acc = tl.dot(p.to(k.dtype), k, acc, out_dtype=tl.float32)
         else:
             acc = tl.dot(p, k, acc, input_precision="ieee", out_dtype=tl.float32)
         return acc, m_new, l
@@ -194,7 +208,7 @@ if HAVE_TRITON:
                        s_qb, s_qh, s_rs, s_rr, s_wb, s_es, s_er, s_rowb, s_vb, s_ob, s_oh,
                        D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
                        HAS_ENT: tl.constexpr,
-                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
+                       ALL_ROWS: tl.constexpr, P_MODE: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, g): sequence b, heads [g*HB, (g+1)*HB), key tiles [s*TPS, (s+1)*TPS) of the NT tiles
         (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials."""
         pdl_start(PDL)
@@ -224,7 +238,7 @@ if HAVE_TRITON:
             kk = t * BLOCK_K + offs_k
             kn = kk + BLOCK_K
             vis_n = (kn < R) & (tl.load(wvis_ptr + b * s_wb + kn, mask=kn < R, other=0) != 0)
-            acc, m, l = _tile(q, acc, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md, scale, SPLIT_P)
+            acc, m, l = _tile(q, acc, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md, scale, P_MODE)
             vis = vis_n
         if HAS_ENT:
             ent_b = ent_ptr + slot * s_es + offs_d[None, :]
@@ -242,7 +256,7 @@ if HAVE_TRITON:
                     row_n = en.to(tl.int64)
                 else:
                     row_n = tl.load(rows_ptr + b * s_rowb + en, mask=ok_n, other=0).to(tl.int64)
-                acc, m, l = _tile(q, acc, m, l, ent_b + row[:, None] * s_er, ok, md, scale, SPLIT_P)
+                acc, m, l = _tile(q, acc, m, l, ent_b + row[:, None] * s_er, ok, md, scale, P_MODE)
                 ok = ok_n
                 row = row_n
         mhd = mh[:, None] & md[None, :]
@@ -358,6 +372,11 @@ def supported(q: torch.Tensor, ring: object, slot: torch.Tensor, window_visible:
             and rows.device == dev)
 
 
+def _p_mode(dtype: torch.dtype, cfg: AttendConfig) -> int:
+    """`_tile`'s P_MODE for q of `dtype`."""
+    return 0 if dtype == torch.float32 else 2 if cfg.split_p else 1
+
+
 def _contig_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -429,7 +448,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
         out.stride(0), out.stride(1),
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
-        SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps,
+        P_MODE=_p_mode(q.dtype, cfg), FINAL=final, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(q, _attend_kernel))
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
@@ -564,7 +583,7 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
                 NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
     const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
-                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, PDL=False)
+                 ALL_ROWS=kind != "csa", P_MODE=_p_mode(dtype, cfg), FINAL=cfg.split == 1, PDL=False)
     names = _attend_kernel.arg_names
     sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "i32" for a in names if a not in const}
     aligned = [a for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
@@ -584,6 +603,7 @@ V4_SHAPES = {   # kind -> (ring rows, table rows, k): V4-Flash, window 128 + 2 s
     "csa": (130, 4097, 512),     # 16K context / ratio 4 (+ the scratch row), the indexer's top-512
     "hca": (130, 513, None),     # 64K context / ratio 128 (+ scratch): all rows
     "sliding": (130, 0, None),
+    "hca4k": (130, 33, None),    # 4K context (the decode bench's): 32 entries + scratch
 }
 
 
@@ -670,7 +690,7 @@ def _sweep_name(c: AttendConfig) -> str:
     return (f"h{c.heads}k{c.block_k}w{c.num_warps}s{c.num_stages}" + (f"x{c.waves:g}" if c.waves != d.waves else "")
             + (f"t{c.min_tiles}" if c.min_tiles != d.min_tiles else "")
             + ("c{}x{}u{}".format(*combine) if combine != (d.combine_heads, d.combine_block_d, d.combine_unroll)
-               else ""))
+               else "") + ("" if c.split_p else "p16"))
 
 
 SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in (
@@ -693,7 +713,10 @@ SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in
     AttendConfig(num_stages=2, combine_heads=4, combine_block_d=64, combine_unroll=32),
     # batch 8-16 (not yet swept there): longer tiles, fewer loop trips; more warps a program
     AttendConfig(heads=16, block_k=64, num_warps=8, num_stages=2),
-    AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2)))
+    AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2),
+    # batch 1 (`DECODE_CONFIG_1`): p in one 16-bit MMA, splits of one tile, both
+    replace(DECODE_CONFIG_1, split_p=False), replace(DECODE_CONFIG_1, min_tiles=1),
+    replace(DECODE_CONFIG_1, split_p=False, min_tiles=1)))
 
 
 def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
