@@ -56,8 +56,8 @@ registers, 2 programs an SM, no spills, 82 KB shared memory, HMMA for all three 
 decode batches (`DECODE_CONFIG`) take 2 stages: the thirteenth session's `--sweep` on the H200 (batch 1 and 4,
 docs/benchmarks.md) found 2 stages faster than 3 for every kind (CSA 15.84 -> 14.44 us, HCA 13.23 -> 11.84 at
 batch 1) and no other tiling faster on CSA and HCA; batches of 5-8 also take twice the programs
-(`DECODE_CONFIG_8`, the fourteenth session's sweep at batch 8). At B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is
-11 / 7 / 3 splits = 44 / 112 / 192 programs.
+(`DECODE_CONFIG_8`, the fourteenth session's sweep at batch 8), batch 1 splits of one tile (`DECODE_CONFIG_1`). At
+B = 1 / 4 / 16 (CSA: 5 + 16 tiles) that is 21 / 7 / 3 splits = 84 / 112 / 192 programs.
 
 Bounds (`supported`): q [B, nh, d] fp32/bf16/fp16 with d % 16 == 0 and 16 <= d <= 1024 (padded to a power of
 two in registers), any nh (padded to a multiple of HB with masks), ring [S, R, d] and entries [S, E, d] plain
@@ -104,8 +104,7 @@ class AttendConfig:
     programs, at least `min_tiles` tiles per split), num_warps / num_stages of the main kernel; the combine
     kernel takes `combine_heads` heads x `combine_block_d` columns per program, and with up to
     `combine_unroll` splits (0: never) issues every split's loads at once (one L2 round trip) instead of one
-    split after the other. `split_p` (16-bit q): p enters the value product as hi + lo in two MMAs (~2^-17
-    relative error); False rounds it to q's dtype once, one MMA (~2^-9 a weight, as FlashAttention does)."""
+    split after the other."""
 
     heads: int = 16
     block_k: int = 32
@@ -117,7 +116,6 @@ class AttendConfig:
     combine_heads: int = 16
     combine_block_d: int = 128
     combine_unroll: int = 0
-    split_p: bool = True
 
 
 DEFAULT_CONFIG = AttendConfig()
@@ -127,9 +125,11 @@ DECODE_CONFIG = replace(DEFAULT_CONFIG, num_stages=2)
 # batch 5-8: twice the programs, splits down to one tile (the fourteenth session's sweep at batch 8: CSA 23.9 ->
 # 19.9 us, HCA 20.9 -> 17.7; at batch 16 it lost on CSA, 30.3 -> 33.7)
 DECODE_CONFIG_8 = replace(DECODE_CONFIG, waves=2.0, min_tiles=1)
-# batch 1: 8 warps a program; the combine's 11 splits loaded at once by 4-head x 64-column programs (the
-# nineteenth/twentieth sessions' batch-1 sweep)
-DECODE_CONFIG_1 = replace(DECODE_CONFIG, num_warps=8, combine_heads=4, combine_block_d=64, combine_unroll=32)
+# batch 1: 8 warps a program; the combine's splits loaded at once by 4-head x 64-column programs (the
+# nineteenth/twentieth sessions' batch-1 sweep); splits of one tile (twenty-eighth session: decode at 4K 4.91-4.92
+# -> 4.85 ms; a CSA layer's 21 tiles 11 -> 21 splits, 13.76 -> 12.91 us; HCA's 6 at 4K, 9.50 -> 7.91)
+DECODE_CONFIG_1 = replace(DECODE_CONFIG, num_warps=8, min_tiles=1, combine_heads=4, combine_block_d=64,
+                          combine_unroll=32)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -155,20 +155,18 @@ def resolve_config(cfg: AttendConfig, batch: int, nh: int, tiles: int, sms: int 
 
 def default_config(batch: int) -> AttendConfig:
     """The tiling a call of `batch` sequences takes by default: `DECODE_CONFIG` up to 16 (`DECODE_CONFIG_1` at 1,
-    `DECODE_CONFIG_8` from 5 to 8), else `DEFAULT_CONFIG`; then the A/B switches MOEBOX_ATTEND_SPLIT_P=0 (p in
-    one 16-bit MMA) and MOEBOX_ATTEND_MIN_TILES=n (a split's least tiles)."""
+    `DECODE_CONFIG_8` from 5 to 8), else `DEFAULT_CONFIG`; MOEBOX_ATTEND_MIN_TILES=n sets their least tiles a
+    split (an A/B switch)."""
     if batch == 1:
         cfg = DECODE_CONFIG_1
     elif 4 < batch <= 8:
         cfg = DECODE_CONFIG_8
     else:
         cfg = DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
-    split_p = os.environ.get("MOEBOX_ATTEND_SPLIT_P", "1")
     tiles = os.environ.get("MOEBOX_ATTEND_MIN_TILES", str(cfg.min_tiles))
-    if split_p not in ("0", "1") or not tiles.isdigit() or int(tiles) < 1:
-        raise ValueError(f"MOEBOX_ATTEND_SPLIT_P must be 0 or 1 (got {split_p!r}) and MOEBOX_ATTEND_MIN_TILES a "
-                         f"tile count >= 1 (got {tiles!r})")
-    return replace(cfg, split_p=split_p == "1", min_tiles=int(tiles))
+    if not tiles.isdigit() or int(tiles) < 1:
+        raise ValueError(f"MOEBOX_ATTEND_MIN_TILES must be a tile count >= 1, got {tiles!r}")
+    return replace(cfg, min_tiles=int(tiles))
 
 
 def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:
@@ -179,9 +177,8 @@ def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
     @triton.jit
-    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, P_MODE: tl.constexpr):
-        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]. P_MODE, how p enters
-        the value product: 0 fp32 (fp32 q), 1 rounded to q's dtype, 2 as hi + lo in q's dtype."""
+    def _tile(q, acc, m, l, k_ptrs, kmask, dmask, scale, SPLIT_P: tl.constexpr):
+        """One key tile [BLOCK_K, D] into the running (acc, m, l) of the q block [HB, D]."""
         k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee", out_dtype=tl.float32) * scale         # [HB, BK]
         s = tl.where(kmask[None, :], s, float("-inf"))
@@ -190,13 +187,11 @@ if HAVE_TRITON:
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        if P_MODE == 2:   # p = hi + lo in the 16-bit dtype: two exact-product MMAs, ~2^-17 relative error
+        if SPLIT_P:   # p = hi + lo in the 16-bit dtype: two exact-product MMAs, ~2^-17 relative error
             hi = p.to(k.dtype)
             lo = (p - hi.to(tl.float32)).to(k.dtype)
             acc = tl.dot(hi, k, acc, out_dtype=tl.float32)
             acc = tl.dot(lo, k, acc, out_dtype=tl.float32)
-        elif P_MODE == 1:
-            acc = tl.dot(p.to(k.dtype), k, acc, out_dtype=tl.float32)
         else:
             acc = tl.dot(p, k, acc, input_precision="ieee", out_dtype=tl.float32)
         return acc, m_new, l
@@ -208,7 +203,7 @@ if HAVE_TRITON:
                        s_qb, s_qh, s_rs, s_rr, s_wb, s_es, s_er, s_rowb, s_vb, s_ob, s_oh,
                        D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
                        HAS_ENT: tl.constexpr,
-                       ALL_ROWS: tl.constexpr, P_MODE: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
+                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, g): sequence b, heads [g*HB, (g+1)*HB), key tiles [s*TPS, (s+1)*TPS) of the NT tiles
         (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials."""
         pdl_start(PDL)
@@ -238,7 +233,7 @@ if HAVE_TRITON:
             kk = t * BLOCK_K + offs_k
             kn = kk + BLOCK_K
             vis_n = (kn < R) & (tl.load(wvis_ptr + b * s_wb + kn, mask=kn < R, other=0) != 0)
-            acc, m, l = _tile(q, acc, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md, scale, P_MODE)
+            acc, m, l = _tile(q, acc, m, l, ring_b + kk.to(tl.int64)[:, None] * s_rr, vis, md, scale, SPLIT_P)
             vis = vis_n
         if HAS_ENT:
             ent_b = ent_ptr + slot * s_es + offs_d[None, :]
@@ -256,7 +251,7 @@ if HAVE_TRITON:
                     row_n = en.to(tl.int64)
                 else:
                     row_n = tl.load(rows_ptr + b * s_rowb + en, mask=ok_n, other=0).to(tl.int64)
-                acc, m, l = _tile(q, acc, m, l, ent_b + row[:, None] * s_er, ok, md, scale, P_MODE)
+                acc, m, l = _tile(q, acc, m, l, ent_b + row[:, None] * s_er, ok, md, scale, SPLIT_P)
                 ok = ok_n
                 row = row_n
         mhd = mh[:, None] & md[None, :]
@@ -372,11 +367,6 @@ def supported(q: torch.Tensor, ring: object, slot: torch.Tensor, window_visible:
             and rows.device == dev)
 
 
-def _p_mode(dtype: torch.dtype, cfg: AttendConfig) -> int:
-    """`_tile`'s P_MODE for q of `dtype`."""
-    return 0 if dtype == torch.float32 else 2 if cfg.split_p else 1
-
-
 def _contig_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -448,7 +438,7 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
         out.stride(0), out.stride(1),
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
-        P_MODE=_p_mode(q.dtype, cfg), FINAL=final, num_warps=cfg.num_warps,
+        SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(q, _attend_kernel))
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
@@ -583,7 +573,7 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
                 NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
     const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
-                 ALL_ROWS=kind != "csa", P_MODE=_p_mode(dtype, cfg), FINAL=cfg.split == 1, PDL=False)
+                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, PDL=False)
     names = _attend_kernel.arg_names
     sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "i32" for a in names if a not in const}
     aligned = [a for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
@@ -690,7 +680,7 @@ def _sweep_name(c: AttendConfig) -> str:
     return (f"h{c.heads}k{c.block_k}w{c.num_warps}s{c.num_stages}" + (f"x{c.waves:g}" if c.waves != d.waves else "")
             + (f"t{c.min_tiles}" if c.min_tiles != d.min_tiles else "")
             + ("c{}x{}u{}".format(*combine) if combine != (d.combine_heads, d.combine_block_d, d.combine_unroll)
-               else "") + ("" if c.split_p else "p16"))
+               else ""))
 
 
 SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in (
@@ -702,7 +692,8 @@ SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in
     AttendConfig(heads=32, block_k=16, num_warps=8, num_stages=4),
     AttendConfig(heads=64, block_k=16, num_warps=8, num_stages=3),
     AttendConfig(waves=2.0), AttendConfig(waves=2.0, min_tiles=1), AttendConfig(waves=0.5, min_tiles=4),
-    # batch 1: more, shorter programs (the default gives a CSA layer 44 programs of 2 tiles)
+    # batch 1: more, shorter programs (the default gave a CSA layer 44 programs of 2 tiles until the
+    # twenty-eighth session)
     AttendConfig(heads=16, block_k=16, waves=2.0, min_tiles=1), AttendConfig(heads=16, block_k=16, waves=4.0,
                                                                             min_tiles=1),
     AttendConfig(heads=16, block_k=32, num_stages=2, waves=2.0, min_tiles=1),
@@ -714,9 +705,8 @@ SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in
     # batch 8-16 (not yet swept there): longer tiles, fewer loop trips; more warps a program
     AttendConfig(heads=16, block_k=64, num_warps=8, num_stages=2),
     AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2),
-    # batch 1 (`DECODE_CONFIG_1`): p in one 16-bit MMA, splits of one tile, both
-    replace(DECODE_CONFIG_1, split_p=False), replace(DECODE_CONFIG_1, min_tiles=1),
-    replace(DECODE_CONFIG_1, split_p=False, min_tiles=1)))
+    # batch 1 (`DECODE_CONFIG_1`) with splits of two tiles, its default before the twenty-eighth session
+    replace(DECODE_CONFIG_1, min_tiles=2)))
 
 
 def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
