@@ -45,7 +45,7 @@
 #                                       # references), then the chain's hc_post tilings (CHAIN_BLOCK_H)
 #   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
 #   bash bench/gpu_session.sh attnsweep # the decode attention's tilings at batch 8 and 16 (CSA, HCA; AB_BATCH
-#                                       # other sizes)
+#                                       # other sizes, KINDS other layer kinds, e.g. hca4k)
 #   bash bench/gpu_session.sh index     # the indexer's score kernel against the torch function, then decode at 4K
 #                                       # and 64K with it off / on (MOEBOX_INDEX_KERNEL)
 #   bash bench/gpu_session.sh pipes     # warp instructions a cycle and SM of PRMT, LOP3, SHF, F2FP, HFMA2, IMAD...
@@ -128,9 +128,9 @@ topk)
     step topk-bench python3 -m moebox.ops.triton.topk
     ;;
 attnsweep)
-    # shellcheck disable=SC2086  # AB_BATCH: several sizes
-    step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch ${AB_BATCH:-8 16} --kind csa hca \
-        --no-torch --sweep
+    # shellcheck disable=SC2086  # AB_BATCH, KINDS: several words
+    step attention-sweep python3 -m moebox.ops.triton.decode_attention --batch ${AB_BATCH:-8 16} \
+        --kind ${KINDS:-csa hca} --no-torch --sweep
     ;;
 probetests)                   # the GPU tests of the twentieth session's four switches (~2 min)
     step new-kernel-tests timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \

@@ -705,8 +705,13 @@ SWEEP: tuple[tuple[str, AttendConfig], ...] = tuple((_sweep_name(c), c) for c in
     # batch 8-16 (not yet swept there): longer tiles, fewer loop trips; more warps a program
     AttendConfig(heads=16, block_k=64, num_warps=8, num_stages=2),
     AttendConfig(heads=16, block_k=32, num_warps=8, num_stages=2),
-    # batch 1 (`DECODE_CONFIG_1`) with splits of two tiles, its default before the twenty-eighth session
-    replace(DECODE_CONFIG_1, min_tiles=2)))
+    # batch 1 (`DECODE_CONFIG_1`) with splits of two tiles, its default before the twenty-eighth session; then
+    # around its one-tile splits: shorter tiles (twice the splits), 4 warps, 3 stages, 32 heads a program, and
+    # the combine's programs (21 splits each)
+    replace(DECODE_CONFIG_1, min_tiles=2), replace(DECODE_CONFIG_1, block_k=16), replace(DECODE_CONFIG_1, num_warps=4),
+    replace(DECODE_CONFIG_1, num_stages=3), replace(DECODE_CONFIG_1, heads=32),
+    replace(DECODE_CONFIG_1, combine_heads=8), replace(DECODE_CONFIG_1, combine_heads=16, combine_block_d=128),
+    replace(DECODE_CONFIG_1, combine_block_d=32)))
 
 
 def sweep(device: str | torch.device = "cuda", batches: Sequence[int] = (1, 4, 16),
