@@ -120,13 +120,6 @@ def test_pick_config_takes_tuned_entries(monkeypatch: pytest.MonkeyPatch) -> Non
     assert pick_config(1, 4096, 4096).kernel == "gemv"            # other shapes: the heuristic
 
 
-def test_gemv_early_loads_only_for_listed_shapes_at_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not fp8_mod.gemv_early(1, 1536, 4096)
-    monkeypatch.setenv("MOEBOX_GEMV_EARLY", "1536x4096,8192x4096")
-    assert fp8_mod.gemv_early(1, 1536, 4096) and fp8_mod.gemv_early(1, 8192, 4096)
-    assert not fp8_mod.gemv_early(2, 1536, 4096) and not fp8_mod.gemv_early(1, 4096, 8192)
-
-
 def test_two_token_gemvs_hold_their_dependents(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measured policy (`gemv_holds`): the V4-Flash products that take the GEMV at batch 2 hold the kernel
     after them to their end (batch 2 6.76 -> 6.33 ms on the H200), those at batch 1 do not (a small loss there);
@@ -252,17 +245,6 @@ _GEMV_INTERPRETER_CHECK = textwrap.dedent("""
         results.append(dict(case=[n, str(dtype), str(cfg)], same_buffer=y.data_ptr() == out.data_ptr(),
                             finite=bool(torch.isfinite(y).all()), rel=float((y.float() - ref).norm() / ref.norm()),
                             ref_norm=float(ref.norm()), tol=tol[dtype]))
-    # one token with its first K step's weights loaded before the (here absent) PDL wait: a full + a partial step,
-    # one partial step, split-K with the partial step alone in the last split
-    os.environ["MOEBOX_GEMV_EARLY"] = "130x200,37x261"
-    for w, cfg in ((w1, g(1, 4, 128)), (w2, None), (w1, g(1, 8, 128, split=2)), (w2, g(1, 4, 128, split=3))):
-        out_f, in_f = w.data.shape
-        x = torch.randn(1, in_f)
-        y = fp8_linear_triton(x, w, config=cfg)
-        ref = fp8_linear_reference(x, w)
-        results.append(dict(case=["early", out_f, str(cfg)], same_buffer=True, finite=bool(torch.isfinite(y).all()),
-                            rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm()), tol=1e-5))
-    del os.environ["MOEBOX_GEMV_EARLY"]
     # x with a row stride (a column slice of a wider tensor)
     xw = torch.randn(3, 300)
     x = xw[:, 30:291]
@@ -402,21 +384,6 @@ def test_gpu_gemv_forced_tilings(config: Fp8Config) -> None:
             _check_gpu(w, n, torch.bfloat16, config=config)
     _check_gpu(w, 3, torch.float16, config=config)
     _check_gpu(w, 3, torch.float32, config=config, tol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_gemv_early_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOEBOX_GEMV_EARLY's GEMVs (the first K step's weights before the PDL wait) at one token: the forced tilings
-    on an odd and two V4 shapes, bf16 and fp32 x, and the batch-1 TUNED_DECODE entries of wq_a+wkv and wo_a."""
-    monkeypatch.setenv("MOEBOX_GEMV_EARLY", "300x200,512x4096,4096x2048,1536x4096,8192x4096")
-    for out_f, in_f in ((300, 200), (512, 4096), (4096, 2048)):
-        w = _gpu_weight(out_f, in_f)
-        for config in GEMV_CONFIGS:
-            _check_gpu(w, 1, torch.bfloat16, config=config)
-        _check_gpu(w, 1, torch.float32, config=GEMV_CONFIGS[-1], tol=1e-5)
-    for key in ((1536, 4096), (8192, 4096)):
-        _check_gpu(_gpu_weight(*key), 1, torch.bfloat16, config=dict(fp8_mod.TUNED_DECODE[key])[1])
 
 
 @pytest.mark.parametrize("key", sorted(fp8_mod.TUNED_DECODE), ids=str)

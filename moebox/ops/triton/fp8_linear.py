@@ -426,11 +426,8 @@ if HAVE_TRITON:
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, OUT, ROWS, IN, STEPS_PER_SPLIT,
                          stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys, eps,
                          BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, EARLY: tl.constexpr,
-                         PDL: tl.constexpr):
-        """y [N, OUT] (or a split's fp32 partials) = x @ dequant(w)^T on the CUDA cores. EARLY: the first K
-        step's weight tile and scales are loaded before the PDL wait (their DRAM round trip overlaps the kernel
-        before), the step itself is done after it."""
+                         NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         KC: tl.constexpr = BLOCK_K // 16   # 16-column chunks per row and K step (16 bytes of FP8)
         pid_n = tl.program_id(0)
         pid_o = tl.program_id(1)
@@ -455,25 +452,8 @@ if HAVE_TRITON:
         step0 = pid_k * STEPS_PER_SPLIT
         step1 = tl.minimum(step0 + STEPS_PER_SPLIT, tl.cdiv(IN, BLOCK_K))
         full = tl.minimum(step1, IN // BLOCK_K)
-        if EARLY:   # the first step (full or the partial last one; none if the split is empty): its weights
-            lim = tl.where(step0 < step1, IN, 0)
-            w_first = tl.load(w_ptrs + step0 * BLOCK_K, mask=(step0 * BLOCK_K + w_cols)[:, None] + vec[None, :] < lim,
-                              other=0.0)
-            sb_first = tl.load(s_ptrs + step0 * BLOCK_K // 128, mask=step0 * BLOCK_K + w_cols < lim,
-                               other=0) if SCALED else 0
-        pdl_start(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_O, KC), dtype=tl.float32)
-        first = step0
-        if EARLY:
-            mask_x = (step0 * BLOCK_K + x_cols)[:, None] + vec[None, :] < lim
-            x = tl.load(x_ptrs + step0 * BLOCK_K, mask=mask_x, other=0.0)
-            if NORM:
-                x = x.to(tl.float32)
-                ss += x * x
-                x = x * tl.load(nw_ptrs + step0 * BLOCK_K, mask=mask_x, other=0.0).to(tl.float32)
-            acc += _gemv_step(x, w_first, sb_first, BLOCK_N, BLOCK_O, KC, SCALED)
-            first = step0 + 1
-        for step in tl.range(first, full, num_stages=NUM_STAGES):  # full steps: no masks
+        for step in tl.range(step0, full, num_stages=NUM_STAGES):  # full steps: no masks
             k0 = step * BLOCK_K
             x = tl.load(x_ptrs + k0)
             if NORM:
@@ -483,7 +463,7 @@ if HAVE_TRITON:
             w = tl.load(w_ptrs + k0)
             sb = tl.load(s_ptrs + k0 // 128) if SCALED else 0
             acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
-        if (full < step1) & (full >= first):  # the partial last step is in this split (and not done above)
+        if full < step1:  # the partial last step is in this split
             k0 = full * BLOCK_K
             mask_x = (k0 + x_cols)[:, None] + vec[None, :] < IN
             x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0)
@@ -658,15 +638,6 @@ def gemv_holds(cfg: Fp8Config) -> bool:
     return default_hold(cfg.block_n > 1, "MOEBOX_GEMV_HOLD")
 
 
-def gemv_early(n: int, out_f: int, in_f: int) -> bool:
-    """Whether a GEMV of n tokens on an [out_f, in_f] weight loads its first K step's weights before its PDL
-    wait: one token and a shape that MOEBOX_GEMV_EARLY lists ("OUTxIN,..."; none by default). An A/B switch for
-    the products after latency-bound kernels (wq_a+wkv after mHC's mix, wo_a after the attention's combine),
-    whose DRAM is idle while the kernel before runs; the same loads in every GEMV lost (twenty-sixth session)."""
-    shapes = os.environ.get("MOEBOX_GEMV_EARLY", "")
-    return n == 1 and f"{out_f}x{in_f}" in shapes.split(",")
-
-
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, n: int, out_f: int,
             rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config,
             norm: Norm | None = None) -> None:
@@ -693,8 +664,8 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
             x, data, scale if scaled else data, y, nw, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,
             stride_ys, eps, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
-            NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, EARLY=gemv_early(n, out_f, in_f),
-            num_warps=cfg.num_warps, num_stages=1, **pdl_args(x, _fp8_gemv_kernel, hold=gemv_holds(cfg)))
+            NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, num_warps=cfg.num_warps, num_stages=1,
+            **pdl_args(x, _fp8_gemv_kernel, hold=gemv_holds(cfg)))
     else:
         if x.dtype == torch.float32:
             terms = 2
