@@ -83,15 +83,15 @@ report per tiling, no GPU needed).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump,  # noqa: F401
-                                       default_hold, graph_us, interpreting, kernel_or_fallback, kernel_switched_on,
-                                       next_pow2, num_sms, pdl_args, pdl_start, plain_tensor, rel_err, tl, triton)
+                                       default_hold, env_count, graph_us, interpreting, kernel_or_fallback,
+                                       kernel_switched_on, next_pow2, num_sms, pdl_args, pdl_start, plain_tensor,
+                                       rel_err, tl, triton)
 
 __all__ = ["AttendConfig", "pick_config", "resolve_config", "supported", "attend_triton", "attend_reference",
            "attend_decode", "random_inputs", "replay_inputs", "sass_report", "bench", "sweep"]
@@ -163,10 +163,8 @@ def default_config(batch: int) -> AttendConfig:
         cfg = DECODE_CONFIG_8
     else:
         cfg = DECODE_CONFIG if batch <= 16 else DEFAULT_CONFIG
-    tiles = os.environ.get("MOEBOX_ATTEND_MIN_TILES", str(cfg.min_tiles))
-    if not tiles.isdigit() or int(tiles) < 1:
-        raise ValueError(f"MOEBOX_ATTEND_MIN_TILES must be a tile count >= 1, got {tiles!r}")
-    return replace(cfg, min_tiles=int(tiles))
+    return replace(cfg, min_tiles=env_count("MOEBOX_ATTEND_MIN_TILES", cfg.min_tiles, "a tile count >= 1",
+                                            least=1))
 
 
 def pick_config(batch: int, nh: int, tiles: int, sms: int = 132) -> AttendConfig:

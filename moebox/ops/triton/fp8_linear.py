@@ -286,11 +286,10 @@ def pick_config(n: int, out_features: int, in_features: int, x_dtype: torch.dtyp
     weight shape for N (max N / 2 < N <= max N), else the GEMV for N <= GEMV_MAX_N and the dot decode tiles
     above; GEMM tiles for N > 16."""
     if n <= 16:
-        tuned = next((c for max_n, c in TUNED_DECODE.get((out_features, in_features), ()) if max_n // 2 < n <= max_n),
-                     None)
+        entries = TUNED_DECODE.get((out_features, in_features), ())
+        tuned = next((c for max_n, c in entries if max_n // 2 < n <= max_n), None)
         if n == 1 and mma_at_one_token(out_features, in_features):
-            cfg = next((c for _, c in TUNED_DECODE.get((out_features, in_features), ()) if c.kernel == "mma"),
-                       Fp8Config(block_o=64, num_stages=2, kernel="mma"))
+            cfg = next((c for _, c in entries if c.kernel == "mma"), Fp8Config(block_o=64, num_stages=2, kernel="mma"))
         elif tuned is not None:
             cfg = tuned
         elif n <= GEMV_MAX_N:

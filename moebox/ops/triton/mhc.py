@@ -92,7 +92,7 @@ from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, early_loads,  # noqa: F401
-                                       env_token_count, graph_us, next_pow2, num_sms, pdl_args, pdl_start, rel_err,
+                                       env_count, graph_us, next_pow2, num_sms, pdl_args, pdl_start, rel_err,
                                        tl, triton)
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
@@ -147,7 +147,7 @@ def _block_h(block_h: int, num_warps: int, dtype: torch.dtype, hidden: int) -> i
 
 def _gemv_max_n() -> int:
     """The largest batch that takes the gemv logits kernel: MOEBOX_MHC_GEMV (0: none), else GEMV_MAX_N."""
-    return env_token_count("MOEBOX_MHC_GEMV", GEMV_MAX_N, "the dot kernel at every N")
+    return env_count("MOEBOX_MHC_GEMV", GEMV_MAX_N, "a token count (0: the dot kernel at every N)")
 
 
 def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:

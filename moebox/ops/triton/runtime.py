@@ -91,17 +91,20 @@ def early_loads(tokens: int) -> bool:
     loads went with batch 1 5.00-5.04 -> 4.91 ms and batch 2 6.34 -> 6.24 (with the rank top-k), and with batch 8
     11.61-11.65 -> 11.69-11.82, where nothing else had changed: past 2 tokens the loads come after the wait, as
     they did before."""
-    return tokens <= env_token_count("MOEBOX_EARLY_LOADS_MAX_N", EARLY_LOADS_MAX_N, "never")
+    return tokens <= env_count("MOEBOX_EARLY_LOADS_MAX_N", EARLY_LOADS_MAX_N, "a token count (0: never)")
 
 
-def env_token_count(name: str, default: int, zero: str) -> int:
-    """The token count an environment switch sets (a bound on the batch a path takes; `zero` says what 0 means
-    in the error), else `default`."""
+def env_count(name: str, default: int, must: str, least: int | None = None) -> int:
+    """The count an environment switch sets (a bound on the batch a path takes, a tile count, ...), else
+    `default`; not an integer, or below `least`: a ValueError saying the variable `must` be so."""
     value = os.environ.get(name, str(default))
     try:
-        return int(value)
+        count = int(value)
     except ValueError:
-        raise ValueError(f"{name} must be a token count (0: {zero}), got {value!r}") from None
+        count = None
+    if count is None or (least is not None and count < least):
+        raise ValueError(f"{name} must be {must}, got {value!r}")
+    return count
 
 
 def pdl_args(t: torch.Tensor, kernel: Any, hold: bool = False) -> dict[str, bool | int]:
@@ -296,7 +299,7 @@ else:
 
 
 __all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
-           "num_sms", "interpreting", "env_token_count", "early_loads", "versions", "bench_start", "graph_us",
+           "num_sms", "interpreting", "env_count", "early_loads", "versions", "bench_start", "graph_us",
            "build_sm90", "cubin_dump",
            "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
            "pdl_enabled", "pdl_args", "pdl_held", "default_hold", "pdl_start", "PDL_HOLD", "device_exp",
