@@ -120,21 +120,6 @@ def test_pick_config_takes_tuned_entries(monkeypatch: pytest.MonkeyPatch) -> Non
     assert pick_config(1, 4096, 4096).kernel == "gemv"            # other shapes: the heuristic
 
 
-def test_mma_at_one_token_for_listed_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOEBOX_FP8_MMA_N1 moves a listed shape's one-token products to the tensor-core kernel (its first tuned mma
-    tiling, else a default one), and only those: two tokens and other shapes keep their picks."""
-    assert pick_config(1, 4096, 4096).kernel == "gemv"
-    monkeypatch.setenv("MOEBOX_FP8_MMA_N1", "4096x4096,4096x2048,300x256")
-    assert pick_config(1, 4096, 4096) == dict(fp8_mod.TUNED_DECODE[(4096, 4096)])[4]
-    assert pick_config(1, 4096, 2048) == dict(fp8_mod.TUNED_DECODE[(4096, 2048)])[4]
-    untuned = pick_config(1, 300, 256)
-    assert untuned.kernel == "mma" and untuned.split_k >= 1
-    assert pick_config(2, 4096, 4096) == resolve_split(dict(fp8_mod.TUNED_DECODE[(4096, 4096)])[2], 2, 4096, 4096)
-    assert pick_config(1, 4096, 8192).kernel == "gemv"
-    monkeypatch.setenv("MOEBOX_FP8_MMA_N1", "all")
-    assert pick_config(1, 4096, 8192).kernel == "mma"
-
-
 def test_two_token_gemvs_hold_their_dependents(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measured policy (`gemv_holds`): the V4-Flash products that take the GEMV at batch 2 hold the kernel
     after them to their end (batch 2 6.76 -> 6.33 ms on the H200), those at batch 1 do not (a small loss there);

@@ -266,16 +266,6 @@ TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {
 }
 
 
-def mma_at_one_token(out_features: int, in_features: int) -> bool:
-    """Whether a one-token product of this weight shape takes the tensor-core kernel (the shape's first tuned mma
-    tiling) instead of the GEMV: where MOEBOX_FP8_MMA_N1 lists it ("OUTxIN,...", or "all"; none by default). An
-    A/B switch: alone the two tie at one token (fourteenth session), but the GEMV issues ~4.1 instructions a
-    weight against the mma kernel's ~1, and the shared expert's products (4096x4096, 4096x2048) run beside the
-    routed experts' gate-up, which is bound by its instruction issue (22 us in a batch-1 step, 17 alone)."""
-    shapes = os.environ.get("MOEBOX_FP8_MMA_N1", "")
-    return shapes == "all" or f"{out_features}x{in_features}" in shapes.split(",")
-
-
 def _pow2_floor(v: int) -> int:
     return 1 << (max(1, v).bit_length() - 1)
 
@@ -286,11 +276,9 @@ def pick_config(n: int, out_features: int, in_features: int, x_dtype: torch.dtyp
     weight shape for N (max N / 2 < N <= max N), else the GEMV for N <= GEMV_MAX_N and the dot decode tiles
     above; GEMM tiles for N > 16."""
     if n <= 16:
-        entries = TUNED_DECODE.get((out_features, in_features), ())
-        tuned = next((c for max_n, c in entries if max_n // 2 < n <= max_n), None)
-        if n == 1 and mma_at_one_token(out_features, in_features):
-            cfg = next((c for _, c in entries if c.kernel == "mma"), Fp8Config(block_o=64, num_stages=2, kernel="mma"))
-        elif tuned is not None:
+        tuned = next((c for max_n, c in TUNED_DECODE.get((out_features, in_features), ()) if max_n // 2 < n <= max_n),
+                     None)
+        if tuned is not None:
             cfg = tuned
         elif n <= GEMV_MAX_N:
             cfg = _gemv_config(n, out_features, in_features, sms)
