@@ -37,14 +37,14 @@ def _launches() -> list[tuple[str, ast.Call]]:
 
 
 # The pointer arguments a kernel reads before its PDL wait: weights only (their loads overlap the kernel before:
-# the matrices, mHC's next fn slice, the router's gate rows).
+# the matrices, mHC's next fn slice (in hc_post and in the down kernel's hc_post epilogue), the router's gate rows).
 # The routed experts' down kernel also reads the expert ids: the routing wrote them before gate-up, the kernel
 # between, could start.
 READ_BEFORE_WAIT = {
     "fp8_mma.py:_fp8_mma_kernel": {"w_ptr", "s_ptr"},
     "mhc.py:_post_kernel": {"fn_ptr"},
     "route.py:_router_route_kernel": {"g_ptr"},
-    "w2_moe.py:_down_mma_kernel": {"w2c_ptr", "w2s_ptr", "ids_ptr"},
+    "w2_moe.py:_down_mma_kernel": {"w2c_ptr", "w2s_ptr", "ids_ptr", "fn_ptr"},
 }
 
 
