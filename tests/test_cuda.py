@@ -130,39 +130,37 @@ def test_trained_demo_in_bf16_on_the_gpu_picks_the_cpu_fp32_tokens(experts, tmp_
     assert agree >= 0.99
 
 
-def test_post_in_down_decodes_as_hc_post_apart(monkeypatch):
-    """MOEBOX_POST_IN_DOWN=1 (the routed experts' down kernel applies the FFN site's hc_post): the small preset's
-    first 3 layers (experts on the mma kernels; CSA, HCA and sliding layers) decode, eagerly and as a CUDA-graph
-    replay, to the logits of hc_post in its own launch, up to the partials' fp32 summation order; the epilogue
-    ran in every layer."""
+def test_post_in_wo_b_decodes_as_hc_post_apart(monkeypatch):
+    """MOEBOX_POST_IN_WO_B=1 (wo_b's GEMV applies the attention site's hc_post): the small preset's first 3 layers
+    (CSA, HCA and sliding) decode, eagerly and as a CUDA-graph replay, to the logits of hc_post in its own launch,
+    up to the partials' fp32 summation order; the epilogue ran in every layer."""
     from moebox.bench.synthetic import synthetic_weights
     from moebox.config import parse_config
     from moebox.model.batch import DecodeBatch
     from moebox.model.deepseek_v4 import DeepseekV4
-    from moebox.ops.triton import w2_moe
+    from moebox.ops.triton import fp8_linear
     from moebox.runtime.graphs import DecodeGraphs
     from moebox.weights.synth import preset_config
     cfg = parse_config(preset_config("small", 3))
     model = DeepseekV4(cfg, synthetic_weights(cfg, "cuda", progress=False).pop, qat=False, dtype=torch.bfloat16,
                        load_mtp=False)
-    assert model.layers[0].ffn.layer_planes is not None
     seqs = [torch.randint(2, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(s)).tolist()
             for s in range(2)]
     caches = [model.new_cache(3, 64, "cuda") for _ in range(3)]
     for cache in caches:
         model.forward(FlatBatch.build([(s, 0, ids[:16]) for s, ids in enumerate(seqs)], "cuda"), cache)
-    calls, real = [], w2_moe.post_epilogue
-    monkeypatch.setattr(w2_moe, "post_epilogue", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("MOEBOX_POST_IN_DOWN", "1")
+    calls, real = [], fp8_linear.post_epilogue
+    monkeypatch.setattr(fp8_linear, "post_epilogue", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("MOEBOX_POST_IN_WO_B", "1")
     graphs = DecodeGraphs(model, caches[2], scratch_slot=2, batch_sizes=[2])
     for pos in range(16, 24):
         tokens, positions, live = [seqs[s][pos] for s in range(2)], [pos, pos], [0, 1]
-        step = [DecodeBatch(*(torch.tensor(v, device="cuda") for v in (tokens, positions, live)))]
-        monkeypatch.setenv("MOEBOX_POST_IN_DOWN", "0")
-        apart = model.forward(step[0], caches[0]).logits.float().cpu()
-        monkeypatch.setenv("MOEBOX_POST_IN_DOWN", "1")
+        step = DecodeBatch(*(torch.tensor(v, device="cuda") for v in (tokens, positions, live)))
+        monkeypatch.setenv("MOEBOX_POST_IN_WO_B", "0")
+        apart = model.forward(step, caches[0]).logits.float().cpu()
+        monkeypatch.setenv("MOEBOX_POST_IN_WO_B", "1")
         before = len(calls)
-        fused = model.forward(step[0], caches[1]).logits.float().cpu()
+        fused = model.forward(step, caches[1]).logits.float().cpu()
         assert len(calls) - before == cfg.num_layers
         replay = graphs.run(tokens, positions, live).logits.float().cpu()
         assert (replay - fused).abs().max().item() <= 1e-5, pos

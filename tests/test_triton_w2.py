@@ -44,51 +44,6 @@ def _from_float_experts(e: int, hidden: int, inter: int, seed: int = 0) -> list[
                   for shape in ((inter, hidden), (inter, hidden), (hidden, inter))) for _ in range(e)]
 
 
-def post_in_down_cases(device: str, hidden: int, inter: int, experts: int, k: int, dtype: torch.dtype,
-                       tokens: tuple[int, ...]) -> list[dict]:
-    """The routed experts with the mHC site's hc_post in the down kernel's epilogue (`post=`) against the two
-    launches it replaces (the experts' output, then `hc_post_chain_triton`): per case, with and without the shared
-    expert's addend and the next site's fn. X_new must be the same bits; the partials come in 16-column blocks
-    instead of 32, so the next site's hc_pre from them (x normed, post, comb) must agree with the one from the
-    chain's to fp32 rounding. Runs on CUDA, or on the CPU under the interpreter. Returns check_in_interpreter's
-    cases (rel: the largest relative difference of the next site's outputs)."""
-    from moebox.ops.mhc import SitePost, hc_pre_reference
-    from moebox.ops.triton.mhc import hc_post_chain_triton, hc_pre_triton, partials_width
-    from moebox.ops.triton.w2_moe import _split_w13, random_planes, random_routing, w2_moe_decode_split
-    hc, kw = 4, dict(iters=20, eps=1e-6, norm_eps=1e-6)
-    w13c, w13s, w2c, w2s = random_planes(experts, hidden, inter, device=device, seed=1, scale_byte=(122, 128))
-    planes = (*_split_w13(w13c, w13s), w2c, w2s)
-    results = []
-    for n in tokens:
-        g = torch.Generator().manual_seed(n)
-        ids, w = random_routing(n, experts, k, device=device, seed=n)
-        x, addend = (torch.randn(n, hidden, generator=g).to(device, dtype) for _ in range(2))
-        X = torch.randn(n, hc, hidden, generator=g).to(device, dtype)
-        fn, fn2 = (torch.randn((2 + hc) * hc, hc * hidden, generator=g).to(device) / (hc * hidden) ** 0.5
-                   for _ in range(2))
-        base, scale = torch.randn((2 + hc) * hc, generator=g).to(device), torch.tensor([0.7, 0.9, 1.1]).to(device)
-        norm = (torch.rand(hidden, generator=g) + 0.5).to(device, dtype)
-        _, post, comb = hc_pre_reference(X, fn, base, scale, **kw)
-        out = w2_moe_decode_split(x, ids, w, *planes, 10.0)
-        for add, next_fn in ((addend, fn2), (None, None)):   # a mid-model FFN site; the model's last, no shared
-            want, want_ws = hc_post_chain_triton(out, X, post, comb, addend=add, next_fn=next_fn)
-            joined = []
-            site = SitePost(X, post, comb, next_fn, [lambda: joined.append(1)], addend=add)
-            assert w2_moe_decode_split(x, ids, w, *planes, 10.0, post=site) is None and joined == [1]
-            got, ws = site.result
-            case = dict(case=["post in down", n, dtype is torch.float32, add is not None, next_fn is not None],
-                        same_buffer=torch.equal(got, want), finite=bool(torch.isfinite(got).all()), rel=0.0,
-                        ref_norm=1.0)
-            if next_fn is not None:
-                assert ws.shape == (n, hidden // 16, partials_width((2 + hc) * hc, hc)), ws.shape
-                a, b = (hc_pre_triton(got, fn2, base, scale, **kw, norm=norm, partials=p) for p in (ws, want_ws))
-                case["rel"] = max(float((u.double() - v.double()).norm() / v.double().norm()) for u, v in zip(a, b))
-            else:
-                assert ws is None and want_ws is None
-            results.append(case)
-    return results
-
-
 # ---------------------------------------------------------------------------------------------- CPU
 def test_reference_is_routed_experts_and_dispatch_on_cpu() -> None:
     """The dispatcher runs the reference off CUDA; the reference equals a plain dense fp32 computation."""
@@ -219,25 +174,6 @@ _INTERPRETER_FMA = _INTERPRETER_SETUP + textwrap.dedent("""
 """)
 
 
-_INTERPRETER_POST = textwrap.dedent("""
-    import json, sys, torch
-    sys.path.insert(0, sys.argv[1])
-    from tests.test_triton_w2 import post_in_down_cases
-    # one token with fp32 streams, two with fp16; 256 columns: 16 partial rows a token
-    cases = post_in_down_cases("cpu", 256, 256, 4, 2, torch.float32, (1,))
-    cases += post_in_down_cases("cpu", 256, 256, 4, 2, torch.float16, (2,))
-    print("RESULT " + json.dumps(cases))
-""")
-
-
-@pytest.mark.slow
-@needs_triton
-def test_post_in_down_in_triton_interpreter() -> None:
-    """The down kernel's hc_post epilogue (`w2_moe_decode_split(..., post=)`) against the experts' output and
-    `hc_post_chain_triton` in two launches: X_new bit for bit, the next site's hc_pre from either partials."""
-    check_in_interpreter(_INTERPRETER_POST, default_tol=1e-5)
-
-
 @pytest.mark.slow
 @needs_triton
 def test_mma_kernels_in_triton_interpreter() -> None:
@@ -273,11 +209,6 @@ def test_mma_kernels_build_for_sm90() -> None:
         assert ops.get("HADD2", 0) == moved and ops["SHF"] == base["SHF"] - moved, (ops, base)
         assert ops["PRMT"] <= base["PRMT"] + 1 and ops.get("MOV", 0) <= base.get("MOV", 0), (ops, base)
         assert fma["spills"] == 0, fma
-    # down with the mHC site's hc_post in its epilogue (MOEBOX_POST_IN_DOWN), at one token's split: the loop and
-    # its layout stay as they are, the epilogue spills nothing
-    post = sass_report("down", 16, DEFAULT_CONFIG.prefetch, post=True)
-    assert post["asm_layout"]["warpsPerCTA"] == [16, 1] and post["loop_converts"] == 0 and post["spills"] == 0, post
-    assert post["instructions_per_weight"] < 2.1, post
 
 
 @pytest.mark.parametrize("terms,selector_fma", [(1, False), (3, False), (1, True), (3, True)])
@@ -412,19 +343,6 @@ def test_gpu_fp16_no_limit_odd_shape_and_layer_views() -> None:
         y = w2_moe_decode_split(x, ids, w, *layer_views(buf.cuda(), hidden, inter), 10.0, out=out, config=cfg)
         torch.cuda.synchronize()
         assert torch.isfinite(y).all() and rel_err(y, ref) < 1e-5, (cfg.variant, rel_err(y, ref))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_post_in_down(dtype: torch.dtype) -> None:
-    """The down kernel's hc_post epilogue at the V4-Flash shape (1, 2 and 16 tokens) and a small one."""
-    from tests.poison import poison_allocator
-    poison_allocator()
-    cases = post_in_down_cases("cuda", 4096, 2048, 256, 6, dtype, (1, 2, 16))
-    cases += post_in_down_cases("cuda", SMALL["hidden"], SMALL["inter"], SMALL["experts"], SMALL["k"], dtype, (3,))
-    for case in cases:
-        assert case["same_buffer"] and case["finite"] and case["rel"] < 1e-5, case
 
 
 @pytest.mark.parametrize("variant", ["mma", "fma"])

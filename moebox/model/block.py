@@ -32,8 +32,8 @@ class Block:
         """X [N, hc, H] -> (the new streams, the partials of the next block's first mHC site: see `_site`)."""
         decode = isinstance(batch, DecodeBatch)
         X, partials = self._site(X, self.hc_attn, self.attn_norm,
-                                 lambda x, site: (self.attn(x, batch, cache), None), decode, partials, self.hc_ffn[0])
-        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x, site: self.ffn.parts(x, batch.tokens, site),
+                                 lambda x, site: (self.attn(x, batch, cache, site), None), decode, partials, self.hc_ffn[0])
+        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x, site: self.ffn.parts(x, batch.tokens),
                           decode, partials, self.next_fn)
 
     def _site(self, X: torch.Tensor, hc: tuple[torch.Tensor, ...], norm: torch.Tensor,

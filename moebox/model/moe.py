@@ -14,7 +14,6 @@ import torch
 from moebox.config import ModelConfig
 from moebox.model.attention import WeightSource
 from moebox.ops.linear import SharedInputLinear, linear, logits_linear
-from moebox.ops.mhc import SitePost
 from moebox.ops.moe import route, route_from_logits, routed_experts, swiglu
 from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
@@ -49,33 +48,17 @@ class MoE:
         out, shared = self.parts(x, tokens)
         return out if shared is None else out + shared
 
-    def parts(self, x: torch.Tensor, tokens: torch.Tensor, site: SitePost | None = None,
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def parts(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the routed experts' output, the shared expert's or None): their sum is the layer's output, which the
-        block's hc_post adds in its own launch. `site`: the mHC site around this MoE at decode; where the routed
-        experts' down kernel applies its hc_post (`_post_in_down`) it sets site.result and this returns
-        (None, None)."""
-        shared = shared_branch = None
-        if self.shared_in is not None:
-            # at decode the shared expert runs on a side stream next to the routing and the routed experts
-            with Branch(x, "moe", reads=(x,), enabled=x.shape[0] <= DECODE_TOKENS) as shared_branch:
-                shared = self.shared_expert(x)
-        if site is not None and self._post_in_down(x):
-            site.addend = shared
-            if shared_branch is not None:
-                site.joins.append(shared_branch.join)
-            self.routed(x, tokens, post=site)
-            return None, None
+        block's hc_post adds in its own launch."""
+        if self.shared_in is None:
+            return self.routed(x, tokens), None
+        # at decode the shared expert runs on a side stream next to the routing and the routed experts
+        with Branch(x, "moe", reads=(x,), enabled=x.shape[0] <= DECODE_TOKENS) as shared_branch:
+            shared = self.shared_expert(x)
         out = self.routed(x, tokens)
-        if shared_branch is not None:
-            shared_branch.join()
+        shared_branch.join()
         return out, shared
-
-    def _post_in_down(self, x: torch.Tensor) -> bool:
-        """Whether the routed experts' down kernel applies the site's hc_post (with the shared expert's output and
-        the next site's partials) in its epilogue: w2 planes, decode sizes on CUDA, MOEBOX_POST_IN_DOWN=1."""
-        return (self.layer_planes is not None and x.is_cuda and x.shape[0] <= DECODE_TOKENS
-                and kernel_switched_on(x, "MOEBOX_POST_IN_DOWN", default=False))
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], weights [N, k] fp32). A decode batch of a scored layer on CUDA routes its logits in
@@ -105,9 +88,7 @@ class MoE:
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.gate.requires_grad))
                 and kernel.router_supported(x, self.gate, self.cfg.scoring_func, self.cfg.num_experts_per_tok))
 
-    def routed(self, x: torch.Tensor, tokens: torch.Tensor, post: SitePost | None = None) -> torch.Tensor | None:
-        """The routed experts' output; with `post` (`_post_in_down` holds) none: the decode kernels finish the
-        mHC site instead."""
+    def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         kernels = self.layer_planes is not None and x.is_cuda
         if kernels:
@@ -122,7 +103,7 @@ class MoE:
         if not kernels:
             return reference()
         if decode:
-            return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit, packed=packed, post=post)
+            return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit, packed=packed)
         if not kernel_switched_on(x, "MOEBOX_W2_PREFILL_KERNEL"):
             return reference()
         from moebox.ops.triton.w2_moe_prefill import w2_moe_prefill_split

@@ -66,16 +66,15 @@ def hc_post_chain(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: 
 @dataclass
 class SitePost:
     """An mHC site's hc_post as its sub-block sees it at decode. The kernel that produces the sub-block's output
-    may apply it in its epilogue and set `result` (the routed experts' down kernel, MOEBOX_POST_IN_DOWN: one
-    launch fewer a site); otherwise the block's `finish(out, addend)` runs `hc_post_chain`. `joins`: what must
-    run before post, comb or `addend` are read (the joins of the side streams that write them)."""
+    may apply it in its epilogue and set `result` (the attention's wo_b GEMV, MOEBOX_POST_IN_WO_B: one launch
+    fewer a site); otherwise the block's `finish(out, addend)` runs `hc_post_chain`. `joins`: what must run
+    before post and comb are read (the join of the side stream that writes them)."""
 
     X: torch.Tensor
     post: torch.Tensor
     comb: torch.Tensor
     next_fn: torch.Tensor | None
     joins: list[Callable[[], None]]
-    addend: torch.Tensor | None = None
     result: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def ready(self) -> None:

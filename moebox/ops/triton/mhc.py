@@ -341,7 +341,7 @@ if HAVE_TRITON:
                        other=0.0)
 
     @triton.jit
-    def _post_columns(o, n, hh, mh, X_ptr, post_ptr, comb_ptr, y_ptr, stride_Xn, stride_yn, stride_pn, stride_pk,
+    def _post_columns(o, n, hh, mh, X_ptr, post_ptr, comb_ptr, new_ptr, stride_Xn, stride_new, stride_pn, stride_pk,
                       stride_cn, stride_cj, stride_ck, H, HC: tl.constexpr, HC_PAD: tl.constexpr):
         """hc_post over columns hh of token n: y[n, k, hh] = post[n, k] o + sum_j comb[n, j, k] X[n, j, hh] (o: the
         sub-block's output there, fp32 holding X's dtype; coefficients rounded to X's dtype, the sum in fp32, one
@@ -355,8 +355,8 @@ if HAVE_TRITON:
             c = tl.load(comb_ptr + n * stride_cn + j * stride_cj + offs_k * stride_ck, mask=mk, other=0.0)
             xj = tl.load(X_ptr + n * stride_Xn + j * H + hh, mask=mh, other=0.0).to(tl.float32)
             acc += c.to(dt).to(tl.float32)[:, None] * xj[None, :]
-        y = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + n * stride_yn + offs_k[:, None] * H + hh[None, :], y, mask=mk[:, None] & mh[None, :])
+        y = acc.to(new_ptr.dtype.element_ty)
+        tl.store(new_ptr + n * stride_new + offs_k[:, None] * H + hh[None, :], y, mask=mk[:, None] & mh[None, :])
         return tl.where(mk[:, None], y.to(tl.float32), 0.0)
 
     @triton.jit
@@ -373,8 +373,8 @@ if HAVE_TRITON:
         tl.store(row + M + offs_k[:, None] * HC + offs_k[None, :], gram, mask=mk[:, None] & mk[None, :])
 
     @triton.jit
-    def _post_kernel(o_ptr, stride_on, a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, H,
-                     stride_an, stride_Xn, stride_yn, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
+    def _post_kernel(o_ptr, stride_on, a_ptr, X_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, ws_ptr, H,
+                     stride_an, stride_Xn, stride_new, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
                      stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
                      W_PAD: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr, PARTIALS: tl.constexpr,
                      BLOCK_H: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
@@ -402,7 +402,7 @@ if HAVE_TRITON:
             if ADD:
                 o = (o + tl.load(a_ptr + n * stride_an + hh, mask=mh, other=0.0).to(tl.float32)).to(dt)
                 o = o.to(tl.float32)
-            v = _post_columns(o, n, hh, mh, X_ptr, post_ptr, comb_ptr, y_ptr, stride_Xn, stride_yn, stride_pn,
+            v = _post_columns(o, n, hh, mh, X_ptr, post_ptr, comb_ptr, new_ptr, stride_Xn, stride_new, stride_pn,
                               stride_pk, stride_cn, stride_cj, stride_ck, H, HC, HC_PAD)
         else:
             offs_k = tl.arange(0, HC_PAD)
@@ -638,25 +638,23 @@ def post_args(X: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | N
                       POST=post is not None, ADD=addend is not None, PARTIALS=fn is not None)
 
 
-def post_epilogue(X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, addend: torch.Tensor | None,
-                  next_fn: torch.Tensor | None, blocks: int) -> tuple[tuple, dict, torch.Tensor, torch.Tensor | None]:
-    """hc_post_chain_triton's work for a kernel that produces the sub-block's output [N, H] in `blocks` column
-    blocks a token and applies it in its epilogue: (`post_args`, X_new, the next site's partials [N, blocks,
-    partials_width] or None: no next_fn, or N past `chain_takes`)."""
+def post_epilogue(X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, next_fn: torch.Tensor | None,
+                  blocks: int) -> tuple[tuple, dict, torch.Tensor, torch.Tensor | None]:
+    """hc_post_chain_triton's work (no addend) for a kernel that produces the sub-block's output [N, H] in
+    `blocks` column blocks a token and applies it in its epilogue: (`post_args`, X_new, the next site's partials
+    [N, blocks, partials_width] or None: no next_fn, or N past `chain_takes`)."""
     X = _streams(X)
     n, hc, hidden = X.shape
-    if not fused_supported(X) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc) or (
-            addend is not None and not fused_supported(X, addend)) or hidden % blocks:
+    if not fused_supported(X) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc) or hidden % blocks:
         raise ValueError(f"hc_post epilogue: X {tuple(X.shape)} {X.dtype}, post {tuple(post.shape)}, comb "
-                         f"{tuple(comb.shape)}, addend {None if addend is None else tuple(addend.shape)}, "
-                         f"{blocks} column blocks")
+                         f"{tuple(comb.shape)}, {blocks} column blocks")
     fn = _rows(next_fn) if next_fn is not None and chain_takes(X) else None
     if fn is not None and fn.shape[1] != hc * hidden:
         raise ValueError(f"fn must be [M, {hc * hidden}], got {tuple(fn.shape)}")
     y = torch.empty(X.shape, dtype=X.dtype, device=X.device)
     ws = None if fn is None else torch.empty((n, blocks, partials_width(fn.shape[0], hc)), dtype=torch.float32,
                                              device=X.device)
-    args, const = post_args(X, post, comb, None if addend is None else _rows(addend), fn, y, ws)
+    args, const = post_args(X, post, comb, None, fn, y, ws)
     return args, const, y, ws
 
 

@@ -154,8 +154,6 @@ from moebox.ops.moe import routed_experts
 from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.mhc import SitePost
-from moebox.ops.triton.mhc import fused_supported, post_args, post_epilogue
 from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, graph_us, interpreting, loop_sass,  # noqa: F401
                                        packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
 
@@ -212,8 +210,6 @@ def expert_bytes(hidden: int, intermediate: int) -> int:
 
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
-    from moebox.ops.triton.mhc import _fn_slice, _post_columns, _store_chain_partials   # the hc_post epilogue
-
     # int32 bit patterns (written as negative numbers where bit 31 is set, so they stay int32)
     _HI_BITS = tl.constexpr(-1431655766)    # 0xAAAAAAAA: bit 2m+1 of every code
     _LO_BITS = tl.constexpr(0x55555555)     # bit 2m
@@ -557,17 +553,9 @@ if HAVE_TRITON:
     @triton.jit
     def _down_mma_kernel(hp_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr,
                          out_row_stride, c_expert_stride, s_expert_stride,
-                         a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, H,
-                         stride_an, stride_Xn, stride_yn, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
-                         stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
-                         W_PAD: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr, PARTIALS: tl.constexpr,
                          IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
                          PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
                          PDL: tl.constexpr):
-        """out[t, 16 rb..] = the sum over token t's experts of w2 h. POST (the arguments after s_expert_stride:
-        mhc.py's `post_args`): instead of storing out, the mHC site's hc_post over these 16 columns (with the
-        shared expert's output added first: ADD) and the next site's partials (PARTIALS), as mHC's `_post_kernel`
-        does in a launch of its own."""
         t = tl.program_id(0)
         rb = tl.program_id(1)
         g, sp, rho, w = _tile_coords(S)
@@ -587,9 +575,6 @@ if HAVE_TRITON:
         if PREFETCH == 2:
             dc, ds, dp, db = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride,
                                          s_expert_stride, t, sp + S, K, TILES)
-        hh = 16 * rb + tl.arange(0, 16)
-        if PARTIALS:   # the next site's fn over these columns (a weight)
-            f = _fn_slice(fn_ptr, hh, hh < H, H, stride_fm, HC, HC_PAD, M, M_PAD)
         # The first tiles load before the PDL wait: the planes are constant and the expert ids come from the
         # routing, which finished before gate-up (the kernel before) could start; only h is gate-up's.
         pdl_start(PDL)
@@ -608,19 +593,8 @@ if HAVE_TRITON:
             else:
                 c, s, p, wb = nc, ns, np_, nb
         y = _reduce_tile(acc, TH, S, USE_ASM)
-        if POST:
-            n = t.to(tl.int64)
-            dt = X_ptr.dtype.element_ty
-            o = tl.reshape(y, (16,)).to(dt).to(tl.float32)       # row 8 rho + g: column hh of the output
-            if ADD:
-                o = (o + tl.load(a_ptr + n * stride_an + hh).to(tl.float32)).to(dt).to(tl.float32)
-            v = _post_columns(o, n, hh, hh < H, X_ptr, post_ptr, comb_ptr, y_ptr, stride_Xn, stride_yn, stride_pn,
-                              stride_pk, stride_cn, stride_cj, stride_ck, H, HC, HC_PAD)
-            if PARTIALS:
-                _store_chain_partials(v, f, ws_ptr + (n * tl.num_programs(1) + rb) * W_PAD, HC, HC_PAD, M, M_PAD)
-        else:
-            r_out = 16 * rb + 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]
-            tl.store(out_ptr + t.to(tl.int64) * out_row_stride + r_out, y.to(out_ptr.dtype.element_ty))
+        r_out = 16 * rb + 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]
+        tl.store(out_ptr + t.to(tl.int64) * out_row_stride + r_out, y.to(out_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -666,8 +640,7 @@ def _decode_fma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
 
 def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
                 w3c: torch.Tensor, w3s: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor, limit: float | None,
-                out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | None = None,
-                post: SitePost | None = None) -> None:
+                out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | None = None) -> None:
     n, hidden = x.shape
     inter = w1c.shape[1]
     hw, iw = hidden // 16, inter // 16
@@ -686,14 +659,8 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
-    if post is not None:   # the epilogue reads post, comb and the addend: their side streams join first
-        post.ready()
-        tail, const, y, ws = post_epilogue(post.X, post.post, post.comb, post.addend, post.next_fn, hw)
-        post.result = (y, ws)
-    else:
-        tail, const = post_args(out.unsqueeze(1), None, None, None, None, None, None)
     _down_mma_kernel[(n, hw)](
-        hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0), *tail, **const,
+        hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
 
@@ -779,13 +746,9 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
                         w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
                         w3_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
                         limit: float | None, *, out: torch.Tensor | None = None,
-                        config: DecodeConfig | None = None, packed: PackedX | None = None,
-                        post: SitePost | None = None) -> torch.Tensor | None:
+                        config: DecodeConfig | None = None, packed: PackedX | None = None) -> torch.Tensor:
     """The Triton path with w1/w3/w2 given apart (stacked tensors or zero-copy layer-buffer views).
     `packed`: `pack_x_ahead`'s x, packed on a side stream (the mma kernels then launch no packing of their own).
-    `post`: the mHC site around these experts (decode): the call finishes it, sets post.result (X_new and the
-    next site's partials, of out + post.addend) and returns None; the mma down kernel does it in its epilogue
-    where the streams' dtype is x's (one launch fewer), else hc_post runs after the experts.
     `config.transpose_x` adds one small copy kernel that word-transposes x so kernel 1 reads it with
     unit stride (vector loads) instead of stride-16 gathers: which is faster is for the bench to say.
 
@@ -812,18 +775,10 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
         raise ValueError("out must be [N, H] in x's dtype with contiguous rows")
     w1c, w3c, w2c = (c.view(torch.int32) for c in (w1_codes, w3_codes, w2_codes))
     w1s, w3s, w2s = (_u8(s) for s in (w1_scales, w3_scales, w2_scales))
-    mma = _takes_mma(config, hidden, inter, (w1c, w3c, w2c))
-    if post is not None and mma and fused_supported(post.X, out) and (post.addend is None
-                                                                       or fused_supported(post.X, post.addend)):
-        _decode_mma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config, xp, post)
-        return None
-    if mma:
+    if _takes_mma(config, hidden, inter, (w1c, w3c, w2c)):
         _decode_mma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config, xp)
     else:
         _decode_fma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config)
-    if post is not None:
-        post.finish(out, post.addend)
-        return None
     return out
 
 
@@ -928,21 +883,18 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False, post: bool = False) -> dict:
-    """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x; `post`: down with the mHC site's
-    hc_post and partials in its epilogue) for sm_90 on any machine with Triton's NVIDIA backend (no GPU needed)
-    and report what the inline asm relies on and what it costs: the layout of the asm operands, layout
-    conversions inside the K loop, registers and spill stack, and the SASS of the loop body (op counts,
-    instructions per weight; one lane handles 8 weights per HMMA)."""
+def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
+    """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
+    Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
+    layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
+    of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
                                           "i32", "i32", "fp32")
         const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True)
     else:
-        fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32", "*bf16",
-                                       "*bf16", "*fp32", "*fp32", "*bf16", "*fp32", "*fp32") + ("i32",) * 10
-        dims = dict(HC=4, HC_PAD=4, M=24, M_PAD=32, W_PAD=64) if post else dict(HC=1, HC_PAD=1, M=0, M_PAD=1, W_PAD=1)
-        const = dict(IW=128, K=6, TH=2, **dims, POST=post, ADD=post, PARTIALS=post)
+        fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
+        const = dict(IW=128, K=6, TH=2)
     const.update(S=split, PREFETCH=prefetch, USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
     sig = dict(zip(fn.arg_names, types))
     compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
