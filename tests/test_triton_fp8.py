@@ -278,14 +278,15 @@ def test_gemv_in_triton_interpreter() -> None:
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
 def post_in_gemv_cases(device: str, hidden: int, in_f: int, dtype: torch.dtype,
-                       runs: tuple[tuple[int, Fp8Config | None], ...]) -> list[dict]:
+                       runs: tuple[tuple[int, Fp8Config | None, bool], ...]) -> list[dict]:
     """The GEMV with the mHC site's hc_post in its epilogue (`fp8_linear_triton(..., post=)`, as wo_b's product
     runs with MOEBOX_POST_IN_WO_B) against the two launches it replaces (the product, then `hc_post_chain_triton`)
     for each (tokens, config) of `runs`. X_new must be the same bits (fp32: within fp32 rounding, where the GPU
     build may contract the sums differently); the partials come in BLOCK_O-column blocks instead of 32, so the
     next site's hc_pre from them (x normed, post, comb) must agree with the one from the chain's to fp32
-    rounding; the site's last product (no next fn) gets none. A config the epilogue does not take (split-K)
-    leaves the site alone and writes the product. Runs on CUDA, or on the CPU under the interpreter; returns
+    rounding; the site's last product (no next fn) gets none. Each run (tokens, config or None: decode's pick,
+    whether the epilogue takes it); one it does not take (split-K, the mma kernel) leaves the site alone and
+    writes the product. Runs on CUDA, or on the CPU under the interpreter; returns
     check_in_interpreter's cases (rel: the largest relative difference, within tol)."""
     from moebox.ops.mhc import SitePost, hc_pre_reference
     from moebox.ops.triton.fp8_linear import fp8_linear_triton
@@ -295,7 +296,7 @@ def post_in_gemv_cases(device: str, hidden: int, in_f: int, dtype: torch.dtype,
     q, sc = quant_fp8_block(torch.randn(hidden, in_f, generator=g) * in_f ** -0.5)
     w = QuantTensor("fp8", q.to(device), sc.to(device))
     results = []
-    for n, cfg in runs:
+    for n, cfg, fused in runs:
         x = torch.randn(n, in_f, generator=g).to(device, dtype)
         X = torch.randn(n, hc, hidden, generator=g).to(device, dtype)
         fn, fn2 = (torch.randn((2 + hc) * hc, hc * hidden, generator=g).to(device) / (hc * hidden) ** 0.5
@@ -304,8 +305,6 @@ def post_in_gemv_cases(device: str, hidden: int, in_f: int, dtype: torch.dtype,
         norm = (torch.rand(hidden, generator=g) + 0.5).to(device, dtype)
         _, post, comb = hc_pre_reference(X, fn, base, scale, **kw)
         out = fp8_linear_triton(x, w, config=cfg)
-        tiling = resolve_split(cfg, n, hidden, in_f) if cfg is not None else pick_config(n, hidden, in_f, dtype)
-        fused = tiling.kernel == "gemv" and tiling.split_k == 1
         for next_fn in (fn2, None):
             want, want_ws = hc_post_chain_triton(out, X, post, comb, next_fn=next_fn)
             joined = []
@@ -362,10 +361,10 @@ _POST_INTERPRETER_CHECK = textwrap.dedent("""
     gemv = lambda n, o: Fp8Config(block_n=n, block_o=o, num_stages=1, kernel="gemv", block_k=128, split_k=1)
     # one token a program (8 columns: 32 partial rows), two tokens a program with the second padded (N = 3), fp16
     # streams, and a split-K tiling the epilogue does not take
-    cases = post_in_gemv_cases("cpu", 256, 256, torch.float32, ((1, gemv(1, 8)), (3, gemv(2, 16))))
-    cases += post_in_gemv_cases("cpu", 256, 256, torch.float16, ((2, gemv(2, 8)),))
-    cases += post_in_gemv_cases("cpu", 256, 256, torch.float32, ((1, Fp8Config(block_n=1, block_o=8, kernel="gemv",
-                                                                              block_k=128, split_k=2)),))
+    cases = post_in_gemv_cases("cpu", 256, 256, torch.float32, ((1, gemv(1, 8), True), (3, gemv(2, 16), True)))
+    cases += post_in_gemv_cases("cpu", 256, 256, torch.float16, ((2, gemv(2, 8), True),))
+    split = Fp8Config(block_n=1, block_o=8, kernel="gemv", block_k=128, split_k=2)
+    cases += post_in_gemv_cases("cpu", 256, 256, torch.float32, ((1, split, False),))
     print("RESULT " + json.dumps(cases))
 """)
 
@@ -538,10 +537,11 @@ def test_gpu_strided_x_and_fp16() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_post_in_gemv(dtype: torch.dtype) -> None:
     """The GEMV's hc_post epilogue on wo_b's V4-Flash shape with the tilings decode picks: 1 and 2 tokens take
-    it, 4 (the mma kernel) leave the site alone."""
+    it; 4 take the mma kernel with bf16 x (the site left alone), the GEMV with fp32 x (the epilogue)."""
     from tests.poison import poison_allocator
     poison_allocator()
-    for case in post_in_gemv_cases("cuda", 4096, 8192, dtype, ((1, None), (2, None), (4, None))):
+    four = dtype == torch.float32
+    for case in post_in_gemv_cases("cuda", 4096, 8192, dtype, ((1, None, True), (2, None, True), (4, None, four))):
         assert case["same_buffer"] and case["finite"] and case["rel"] < case["tol"], case
 
 
@@ -582,6 +582,27 @@ def _dense_grouped(x: torch.Tensor, w: QuantTensor, groups: int) -> torch.Tensor
     """The grouped product on the dequantized weight, in fp32."""
     dense = w.dequantize(torch.float32).view(groups, w.data.shape[0] // groups, -1)
     return torch.einsum("ngk,grk->ngr", x.float(), dense)
+
+
+_GROUPED_INTERPRETER_CHECK = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from moebox.ops.triton.fp8_linear import Fp8Config, fp8_grouped_linear_reference, fp8_grouped_linear_triton
+    from tests.test_triton_fp8 import block_weight
+    w, x = block_weight(2 * 128, 256, seed=3), torch.randn(3, 2, 256)
+    y = torch.full((3, 2, 128), float("nan"))
+    got = fp8_grouped_linear_triton(x, w, 2, out=y, config=Fp8Config(block_n=2, block_o=8, num_stages=1,
+                                                                     kernel="gemv", block_k=128))
+    ref = fp8_grouped_linear_reference(x, w, 2)
+    print("RESULT " + json.dumps([dict(same_buffer=got.data_ptr() == y.data_ptr(), finite=bool(got.isfinite().all()),
+                                       rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm()))]))
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_grouped_gemv_in_triton_interpreter() -> None:
+    """The grouped call through the GEMV kernel (2 groups, a padded token block) in Triton's CPU interpreter."""
+    check_in_interpreter(_GROUPED_INTERPRETER_CHECK)
 
 
 def test_grouped_reference_on_cpu() -> None:

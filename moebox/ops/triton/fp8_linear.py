@@ -150,7 +150,7 @@ from moebox.ops.norm import Norm, rms_norm
 from moebox.weights.formats import QuantTensor
 
 from moebox.ops.triton.fp8_mma import launch_mma, mma_takes
-from moebox.ops.triton.mhc import fused_supported, post_args, post_epilogue
+from moebox.ops.triton.mhc import fused_supported, no_post_args, post_epilogue
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, default_hold, each_copy, graph_us,  # noqa: F401
                                        interpreting, next_pow2, num_sms, pdl_args, pdl_start, tl, triton)
 
@@ -695,7 +695,7 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
             tail, const, new, ws = post_epilogue(post.X, post.post, post.comb, post.next_fn, grid[1])
             post.result = (new, ws)
         else:
-            tail, const = post_args(out.unsqueeze(1), None, None, None, None, None, None)
+            tail, const = no_post_args(out)
         _fp8_gemv_kernel[grid](
             x, data, scale if scaled else data, y, nw, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,

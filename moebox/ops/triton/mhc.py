@@ -638,6 +638,11 @@ def post_args(X: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | N
                       POST=post is not None, ADD=addend is not None, PARTIALS=fn is not None)
 
 
+def no_post_args(t: torch.Tensor) -> tuple[tuple, dict]:
+    """`post_args` of a kernel launch without the epilogue: every pointer t (never read), sizes and strides 0."""
+    return (t,) * 7 + (0,) * 10, dict(HC=1, HC_PAD=1, M=0, M_PAD=1, W_PAD=1, POST=False, ADD=False, PARTIALS=False)
+
+
 def post_epilogue(X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, next_fn: torch.Tensor | None,
                   blocks: int) -> tuple[tuple, dict, torch.Tensor, torch.Tensor | None]:
     """hc_post_chain_triton's work (no addend) for a kernel that produces the sub-block's output [N, H] in
