@@ -277,105 +277,6 @@ def test_gemv_in_triton_interpreter() -> None:
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
-def post_in_gemv_cases(device: str, hidden: int, in_f: int, dtype: torch.dtype,
-                       runs: tuple[tuple[int, Fp8Config | None, bool], ...]) -> list[dict]:
-    """The GEMV with the mHC site's hc_post in its epilogue (`fp8_linear_triton(..., post=)`, as wo_b's product
-    runs with MOEBOX_POST_IN_WO_B) against the two launches it replaces (the product, then `hc_post_chain_triton`)
-    for each (tokens, config) of `runs`. X_new must be the same bits (fp32: within fp32 rounding, where the GPU
-    build may contract the sums differently); the partials come in BLOCK_O-column blocks instead of 32, so the
-    next site's hc_pre from them (x normed, post, comb) must agree with the one from the chain's to fp32
-    rounding; the site's last product (no next fn) gets none. Each run (tokens, config or None: decode's pick,
-    whether the epilogue takes it); one it does not take (split-K, the mma kernel) leaves the site alone and
-    writes the product. Runs on CUDA, or on the CPU under the interpreter; returns
-    check_in_interpreter's cases (rel: the largest relative difference, within tol)."""
-    from moebox.ops.mhc import SitePost, hc_pre_reference
-    from moebox.ops.triton.fp8_linear import fp8_linear_triton
-    from moebox.ops.triton.mhc import hc_post_chain_triton, hc_pre_triton, partials_width
-    hc, kw = 4, dict(iters=20, eps=1e-6, norm_eps=1e-6)
-    g = torch.Generator().manual_seed(hidden + in_f)
-    q, sc = quant_fp8_block(torch.randn(hidden, in_f, generator=g) * in_f ** -0.5)
-    w = QuantTensor("fp8", q.to(device), sc.to(device))
-    results = []
-    for n, cfg, fused in runs:
-        x = torch.randn(n, in_f, generator=g).to(device, dtype)
-        X = torch.randn(n, hc, hidden, generator=g).to(device, dtype)
-        fn, fn2 = (torch.randn((2 + hc) * hc, hc * hidden, generator=g).to(device) / (hc * hidden) ** 0.5
-                   for _ in range(2))
-        base, scale = torch.randn((2 + hc) * hc, generator=g).to(device), torch.tensor([0.7, 0.9, 1.1]).to(device)
-        norm = (torch.rand(hidden, generator=g) + 0.5).to(device, dtype)
-        _, post, comb = hc_pre_reference(X, fn, base, scale, **kw)
-        out = fp8_linear_triton(x, w, config=cfg)
-        for next_fn in (fn2, None):
-            want, want_ws = hc_post_chain_triton(out, X, post, comb, next_fn=next_fn)
-            joined = []
-            site = SitePost(X, post, comb, next_fn, [lambda: joined.append(1)])
-            y = fp8_linear_triton(x, w, config=cfg, post=site)
-            # the next site's x is normed and rounded to the streams' dtype: a sum order may flip one rounding
-            tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-            case = dict(case=["post in gemv", n, str(dtype), str(cfg), next_fn is not None], finite=True, rel=0.0,
-                        ref_norm=1.0, tol=tol)
-            if not fused:   # split-K: the product as before, the site untouched
-                case["same_buffer"] = site.result is None and not joined and torch.equal(y, out)
-                results.append(case)
-                continue
-            got, ws = site.result
-            same = torch.equal(got, want) if dtype != torch.float32 or device == "cpu" else (
-                float((got - want).abs().max()) <= 2e-6 * float(want.abs().max()))
-            case.update(same_buffer=same and joined == [1], finite=bool(torch.isfinite(got).all()))
-            if next_fn is not None:
-                assert ws.shape[0] == n and ws.shape[2] == partials_width((2 + hc) * hc, hc), ws.shape
-                a, b = (hc_pre_triton(got, fn2, base, scale, **kw, norm=norm, partials=p) for p in (ws, want_ws))
-                case["rel"] = max(float((u.double() - v.double()).norm() / v.double().norm()) for u, v in zip(a, b))
-            else:
-                case["finite"] = case["finite"] and ws is None and want_ws is None
-            results.append(case)
-    return results
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
-def test_post_in_gemv_builds_for_sm90() -> None:
-    """wo_b's batch-1 GEMV (8 rows, 1024-column steps, 3 stages) with and without the hc_post epilogue, built for
-    sm_90 on any machine: what the interpreter cannot check (the 3-D fn tile, the runtime `n < N` branch) compiles,
-    and spills nothing."""
-    from moebox.ops.triton.runtime import build_sm90, loop_sass
-    fn = fp8_mod._fp8_gemv_kernel
-    fp32 = ("post_ptr", "comb_ptr", "fn_ptr", "ws_ptr")
-    for post in (False, True):
-        dims = dict(HC=4, HC_PAD=4, M=24, M_PAD=32, W_PAD=64) if post else dict(HC=1, HC_PAD=1, M=0, M_PAD=1, W_PAD=1)
-        const = dict(**dims, POST=post, ADD=False, PARTIALS=post, BLOCK_N=1, BLOCK_O=8, BLOCK_K=1024, NUM_STAGES=3,
-                     SCALED=True, NORM=False, PDL=True)
-        sig = {a: "*fp8e4nv" if a == "w_ptr" else "*u8" if a == "s_ptr" else "*fp32" if a in fp32 else
-               "*bf16" if a.endswith("_ptr") else "fp32" if a == "eps" else "i32"
-               for a in fn.arg_names if a not in const}
-        compiled = build_sm90(fn, sig, const, [a for a in sig if a.endswith("_ptr")], num_warps=4, num_stages=1)
-        _, registers, spills, _ = loop_sass(compiled.asm["cubin"])
-        assert spills == 0, (post, registers, spills)
-
-
-_POST_INTERPRETER_CHECK = textwrap.dedent("""
-    import json, os, sys, torch
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    sys.path.insert(0, sys.argv[1])
-    from moebox.ops.triton.fp8_linear import Fp8Config
-    from tests.test_triton_fp8 import post_in_gemv_cases
-    gemv = lambda n, o: Fp8Config(block_n=n, block_o=o, num_stages=1, kernel="gemv", block_k=128, split_k=1)
-    # one token a program (8 columns: 32 partial rows), two tokens a program with the second padded (N = 3), fp16
-    # streams, and a split-K tiling the epilogue does not take
-    cases = post_in_gemv_cases("cpu", 256, 256, torch.float32, ((1, gemv(1, 8), True), (3, gemv(2, 16), True)))
-    cases += post_in_gemv_cases("cpu", 256, 256, torch.float16, ((2, gemv(2, 8), True),))
-    split = Fp8Config(block_n=1, block_o=8, kernel="gemv", block_k=128, split_k=2)
-    cases += post_in_gemv_cases("cpu", 256, 256, torch.float32, ((1, split, False),))
-    print("RESULT " + json.dumps(cases))
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
-def test_post_in_gemv_in_triton_interpreter() -> None:
-    """The GEMV's hc_post epilogue against the product and hc_post_chain in two launches (`post_in_gemv_cases`)."""
-    check_in_interpreter(_POST_INTERPRETER_CHECK)
-
-
 def test_bad_config_is_rejected_before_launch() -> None:
     from moebox.ops.triton.fp8_linear import fp8_linear_triton
     w = block_weight(130, 200)
@@ -532,19 +433,6 @@ def test_gpu_strided_x_and_fp16() -> None:
         _check_gpu(w, n, torch.float16)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_post_in_gemv(dtype: torch.dtype) -> None:
-    """The GEMV's hc_post epilogue on wo_b's V4-Flash shape with the tilings decode picks: 1 and 2 tokens take
-    it; 4 take the mma kernel with bf16 x (the site left alone), the GEMV with fp32 x (the epilogue)."""
-    from tests.poison import poison_allocator
-    poison_allocator()
-    four = dtype == torch.float32
-    for case in post_in_gemv_cases("cuda", 4096, 8192, dtype, ((1, None, True), (2, None, True), (4, None, four))):
-        assert case["same_buffer"] and case["finite"] and case["rel"] < case["tol"], case
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graph_replay() -> None:
@@ -582,27 +470,6 @@ def _dense_grouped(x: torch.Tensor, w: QuantTensor, groups: int) -> torch.Tensor
     """The grouped product on the dequantized weight, in fp32."""
     dense = w.dequantize(torch.float32).view(groups, w.data.shape[0] // groups, -1)
     return torch.einsum("ngk,grk->ngr", x.float(), dense)
-
-
-_GROUPED_INTERPRETER_CHECK = textwrap.dedent("""
-    import json, sys, torch
-    sys.path.insert(0, sys.argv[1])
-    from moebox.ops.triton.fp8_linear import Fp8Config, fp8_grouped_linear_reference, fp8_grouped_linear_triton
-    from tests.test_triton_fp8 import block_weight
-    w, x = block_weight(2 * 128, 256, seed=3), torch.randn(3, 2, 256)
-    y = torch.full((3, 2, 128), float("nan"))
-    got = fp8_grouped_linear_triton(x, w, 2, out=y, config=Fp8Config(block_n=2, block_o=8, num_stages=1,
-                                                                     kernel="gemv", block_k=128))
-    ref = fp8_grouped_linear_reference(x, w, 2)
-    print("RESULT " + json.dumps([dict(same_buffer=got.data_ptr() == y.data_ptr(), finite=bool(got.isfinite().all()),
-                                       rel=float((got - ref).norm() / ref.norm()), ref_norm=float(ref.norm()))]))
-""")
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
-def test_grouped_gemv_in_triton_interpreter() -> None:
-    """The grouped call through the GEMV kernel (2 groups, a padded token block) in Triton's CPU interpreter."""
-    check_in_interpreter(_GROUPED_INTERPRETER_CHECK)
 
 
 def test_grouped_reference_on_cpu() -> None:

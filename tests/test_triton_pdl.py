@@ -135,11 +135,11 @@ def test_the_hopper_build_waits_before_its_first_load():
     from moebox.ops.triton.runtime import PDL_HOLD, triton
 
     fn = mhc._post_kernel
-    ptrs = ("o_ptr", "a_ptr", "X_ptr", "post_ptr", "comb_ptr", "new_ptr", "fn_ptr", "ws_ptr")
+    ptrs = ("o_ptr", "a_ptr", "X_ptr", "post_ptr", "comb_ptr", "y_ptr", "fn_ptr", "ws_ptr")
     for pdl in (True, PDL_HOLD, False):
         const = dict(HC=4, HC_PAD=4, M=24, M_PAD=32, W_PAD=64, BLOCK_H=1024, POST=True, ADD=False, PARTIALS=False,
                      EARLY=True, PDL=pdl)
-        sig = {a: "*bf16" if a in ("o_ptr", "a_ptr", "X_ptr", "new_ptr") else "*fp32" if a in ptrs else
+        sig = {a: "*bf16" if a in ("o_ptr", "a_ptr", "X_ptr", "y_ptr") else "*fp32" if a in ptrs else
                "constexpr" if a in const else "i32" for a in fn.arg_names}
         src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(a),): v for a, v in const.items()})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]

@@ -24,7 +24,6 @@ from moebox.model.decode_attention import (attend, compress_step, index_select, 
 from moebox.ops.attention import local_sink_attention, sink_attention, tf32_products
 from moebox.ops.compress import pool_windows
 from moebox.ops.linear import SharedInputLinear, Weight, grouped_linear, linear
-from moebox.ops.mhc import SitePost
 from moebox.ops.qat import round_index_vectors, round_kv_nope
 from moebox.ops.rope import inverse_rope, norm_rope, query_rope, rope_inv_freq
 from moebox.ops.streams import Branch
@@ -146,10 +145,7 @@ class Attention:
                                       inv_freq=self.inv_freq, eps=eps, finish=round_index_vectors if qat else None)
 
     # ------------------------------------------------------------------ projections over the whole batch
-    def __call__(self, x: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None,
-                 site: SitePost | None = None) -> torch.Tensor:
-        """The attention's output [N, H]. `site`: the mHC site around it at decode; with MOEBOX_POST_IN_WO_B=1 wo_b's
-        one-split GEMV applies its hc_post (site.result; the returned tensor then holds nothing)."""
+    def __call__(self, x: torch.Tensor, batch: FlatBatch | DecodeBatch, cache: LayerCache | None) -> torch.Tensor:
         cfg, pos = self.cfg, batch.positions
         n = x.shape[0]
         decode = isinstance(batch, DecodeBatch)
@@ -196,8 +192,7 @@ class Attention:
                     out[seg.rows] = self._segment(seg, q[seg.rows], kv[seg.rows], comp, idx, cache).to(out.dtype)
             out = inverse_rope(out, pos, self.inv_freq)
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
-        post = site if site is not None and kernel_switched_on(x, "MOEBOX_POST_IN_WO_B", default=False) else None
-        return linear(o.flatten(1), self.wo_b, post=post)
+        return linear(o.flatten(1), self.wo_b)
 
     def _pool_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The compressors' and the indexer's products of x (empty in sliding layers), in x's dtype (on the GPU:

@@ -11,7 +11,7 @@ from moebox.model.attention import Attention, WeightSource
 from moebox.model.batch import DecodeBatch, FlatBatch
 from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
-from moebox.ops.mhc import SitePost, hc_pre
+from moebox.ops.mhc import hc_post_chain, hc_pre
 from moebox.ops.streams import Branch
 
 
@@ -31,25 +31,23 @@ class Block:
                  partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """X [N, hc, H] -> (the new streams, the partials of the next block's first mHC site: see `_site`)."""
         decode = isinstance(batch, DecodeBatch)
-        X, partials = self._site(X, self.hc_attn, self.attn_norm,
-                                 lambda x, site: (self.attn(x, batch, cache, site), None), decode, partials, self.hc_ffn[0])
-        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x, site: self.ffn.parts(x, batch.tokens),
-                          decode, partials, self.next_fn)
+        X, partials = self._site(X, self.hc_attn, self.attn_norm, lambda x: (self.attn(x, batch, cache), None),
+                                 decode, partials, self.hc_ffn[0])
+        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x: self.ffn.parts(x, batch.tokens), decode,
+                          partials, self.next_fn)
 
     def _site(self, X: torch.Tensor, hc: tuple[torch.Tensor, ...], norm: torch.Tensor,
-              sub_block: Callable[[torch.Tensor, SitePost | None], tuple[torch.Tensor | None, torch.Tensor | None]],
-              decode: bool,
+              sub_block: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]], decode: bool,
               partials: torch.Tensor | None, next_fn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One mHC site around a sub-block: hc_pre with the sub-block's RMSNorm, the sub-block (its output: one
         tensor or two to add), hc_post. At decode mHC's post/comb (the Sinkhorn chain) run on a side stream next
         to the sub-block, joined before hc_post, and the site is two launches of mHC: hc_pre reads `partials`
         (the logits and norms of X, which the hc_post before wrote), and hc_post writes those of the next
-        site's fn `next_fn` (None: the last site of the model, whose head computes its own). At decode the
-        sub-block gets the site's `SitePost`: a kernel of its may apply hc_post itself (it then returns no output)."""
+        site's fn `next_fn` (None: the last site of the model, whose head computes its own)."""
         cfg = self.cfg
         coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
         x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                                coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)
-        site = SitePost(X, post, comb, next_fn if decode else None, [coeffs.join])
-        out, addend = sub_block(x, site if decode else None)
-        return site.finish(out, addend)
+        out, addend = sub_block(x)
+        coeffs.join()
+        return hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)

@@ -12,7 +12,6 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
-from moebox.ops.mhc import SitePost
 from moebox.ops.norm import Norm, rms_norm
 from moebox.quant.w2 import W2Tensor
 from moebox.weights.formats import QuantTensor
@@ -52,14 +51,13 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
     return _on_rows(x, lambda rows: dense_gemv(rows, w, out_dtype))
 
 
-def linear(x: torch.Tensor, w: Weight, norm: Norm | None = None, post: SitePost | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Weight, norm: Norm | None = None) -> torch.Tensor:
     """x W^T; with `norm` = (weight, eps), rms_norm(x, weight, eps) W^T. An FP8 weight on CUDA takes the norm
     into its kernel call, whose single-split decode GEMV fuses it (one launch fewer at batch 1); every other
-    path norms x first. `post`: the mHC site the product's output goes to, which that GEMV may apply in its
-    epilogue (then post.result is set and the returned tensor holds nothing: `fp8_linear_triton`)."""
+    path norms x first."""
     if x.is_cuda and isinstance(w, QuantTensor) and w.kind == "fp8":
         from moebox.ops.triton.fp8_linear import fp8_linear
-        return _on_rows(x, lambda rows: fp8_linear(rows, w, norm=norm, post=post))
+        return _on_rows(x, lambda rows: fp8_linear(rows, w, norm=norm))
     if norm is not None:
         x = rms_norm(x, *norm)
     if _dense_gemv_takes(x, w):

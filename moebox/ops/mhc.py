@@ -8,9 +8,7 @@ on CUDA) the references run compiled (`fused`): the Sinkhorn loop is ~100 tiny o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,34 +59,6 @@ def hc_post_chain(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: 
     if (f := _fused(X, out)) is not None and (addend is None or f.fused_supported(X, addend)):
         return f.hc_post_chain_triton(out, X, post, comb, addend=addend, next_fn=next_fn)
     return hc_post_reference(out if addend is None else out + addend, X, post, comb), None
-
-
-@dataclass
-class SitePost:
-    """An mHC site's hc_post as its sub-block sees it at decode. The kernel that produces the sub-block's output
-    may apply it in its epilogue and set `result` (the attention's wo_b GEMV, MOEBOX_POST_IN_WO_B: one launch
-    fewer a site); otherwise the block's `finish(out, addend)` runs `hc_post_chain`. `joins`: what must run
-    before post and comb are read (the join of the side stream that writes them)."""
-
-    X: torch.Tensor
-    post: torch.Tensor
-    comb: torch.Tensor
-    next_fn: torch.Tensor | None
-    joins: list[Callable[[], None]]
-    result: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-    def ready(self) -> None:
-        """Run the joins (once)."""
-        while self.joins:
-            self.joins.pop(0)()
-
-    def finish(self, out: torch.Tensor | None, addend: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(X_new, the next site's partials or None): `result` if a kernel applied the post, else hc_post_chain
-        of out + addend."""
-        if self.result is None:
-            self.ready()
-            self.result = hc_post_chain(out, self.X, self.post, self.comb, addend=addend, next_fn=self.next_fn)
-        return self.result
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,

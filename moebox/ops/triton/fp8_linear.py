@@ -145,12 +145,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from moebox.ops.mhc import SitePost
 from moebox.ops.norm import Norm, rms_norm
 from moebox.weights.formats import QuantTensor
 
 from moebox.ops.triton.fp8_mma import launch_mma, mma_takes
-from moebox.ops.triton.mhc import fused_supported, no_post_args, post_epilogue
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, default_hold, each_copy, graph_us,  # noqa: F401
                                        interpreting, next_pow2, num_sms, pdl_args, pdl_start, tl, triton)
 
@@ -348,8 +346,6 @@ def _check_config(cfg: Fp8Config) -> None:
 
 # ----------------------------------------------------------------------------------------------- kernels
 if HAVE_TRITON:
-    from moebox.ops.triton.mhc import _fn_slice, _post_columns, _store_chain_partials   # the hc_post epilogue
-
     @triton.jit
     def _scaled_block_dot(w, xt, sb, X_TERMS: tl.constexpr, DOT_DTYPE: tl.constexpr):
         """FP8 tile w [BO, 128] x x^T tile [128, BN] -> fp32 [BO, BN], times each row's block scale 2^(sb-127)."""
@@ -429,15 +425,8 @@ if HAVE_TRITON:
                                    "stride_ys"])
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, OUT, ROWS, IN, STEPS_PER_SPLIT,
                          stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys, eps,
-                         a_ptr, X_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, ws_ptr, H,
-                         stride_an, stride_Xn, stride_new, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
-                         stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
-                         W_PAD: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr, PARTIALS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
                          NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        """y = x W^T (module doc). POST (the arguments after eps: mhc.py's `post_args`, without an addend; one
-        split, one group): instead of storing y, the mHC site's hc_post over this program's BLOCK_O columns and
-        the next site's partials (PARTIALS), as mHC's `_post_kernel` does in a launch of its own."""
         pdl_start(PDL)
         KC: tl.constexpr = BLOCK_K // 16   # 16-column chunks per row and K step (16 bytes of FP8)
         pid_n = tl.program_id(0)
@@ -460,10 +449,6 @@ if HAVE_TRITON:
         if NORM:   # the RMSNorm: x * weight in the loop, its sum of squares beside, 1 / rms applied at the end
             nw_ptrs = nw_ptr + x_cols[:, None] + vec[None, :]
             ss = tl.zeros((BLOCK_N * KC, 16), dtype=tl.float32)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-        if PARTIALS:   # the next site's fn over these columns, in flight during the weight stream
-            f = _fn_slice(fn_ptr, offs_o, offs_o < OUT, H, stride_fm, HC, HC_PAD, M, M_PAD)
         step0 = pid_k * STEPS_PER_SPLIT
         step1 = tl.minimum(step0 + STEPS_PER_SPLIT, tl.cdiv(IN, BLOCK_K))
         full = tl.minimum(step1, IN // BLOCK_K)
@@ -492,20 +477,10 @@ if HAVE_TRITON:
         y = tl.sum(acc, axis=2)   # [BN, BO]: across the lanes and warps, once
         if NORM:   # the whole row was this program's (one split): its mean square is complete
             y = y * (1.0 / tl.sqrt(tl.sum(tl.reshape(ss, (BLOCK_N, KC * 16)), axis=1) / IN + eps))[:, None]
-        if POST:
-            dt = X_ptr.dtype.element_ty
-            for i in tl.static_range(BLOCK_N):
-                n = (pid_n * BLOCK_N + i).to(tl.int64)
-                if n < N:
-                    o = tl.sum(tl.where(tl.arange(0, BLOCK_N)[:, None] == i, y, 0.0), axis=0).to(dt).to(tl.float32)
-                    v = _post_columns(o, n, offs_o, offs_o < OUT, X_ptr, post_ptr, comb_ptr, new_ptr, stride_Xn,
-                                      stride_new, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck, H, HC, HC_PAD)
-                    if PARTIALS:
-                        _store_chain_partials(v, f, ws_ptr + (n * tl.num_programs(1) + pid_o) * W_PAD, HC, HC_PAD, M,
-                                              M_PAD)
-        else:
-            y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_n.to(tl.int64)[:, None] * stride_yn + offs_o[None, :]
-            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_o < OUT)[None, :])
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+        y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + offs_n.to(tl.int64)[:, None] * stride_yn + offs_o[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_o < OUT)[None, :])
 
     @triton.jit
     def _split_sum_kernel(ws_ptr, y_ptr, OUT, ROWS, stride_ws, stride_yn, stride_yg, SPLIT: tl.constexpr,
@@ -587,15 +562,12 @@ def _kernel_weight(w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-                      config: Fp8Config | None = None, norm: Norm | None = None,
-                      post: SitePost | None = None) -> torch.Tensor:
+                      config: Fp8Config | None = None, norm: Norm | None = None) -> torch.Tensor:
     """The Triton path. x [N, in] bf16/fp16/fp32 (any row stride), w QuantTensor fp8 (data [out, in] e4m3 with
     contiguous rows, scale E8M0 [ceil(out/128), ceil(in/128)]); returns (or fills, every element) `out`
     [N, out] in x's dtype. `config` overrides the kernel and tiling (split_k 0 = automatic). `norm` = (weight
-    [in], eps): the product of rms_norm(x, weight, eps) instead, fused into the GEMV where `fuses_norm`. `post`:
-    the mHC site this product's output goes to (its sub-block's last product): where the GEMV takes the call in
-    one split, it applies the site's hc_post in its epilogue and sets post.result, and `out` is not written
-    (else post is untouched). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
+    [in], eps): the product of rms_norm(x, weight, eps) instead, fused into the GEMV where `fuses_norm`. Runs on
+    CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, out_f, in_f = _check(x, w)
@@ -604,7 +576,7 @@ def fp8_linear_triton(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None 
     out = _out(x, out, n, out_f)
     if x.stride(1) != 1:
         x = x.contiguous()
-    return _run(x, w, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), config, norm, post)
+    return _run(x, w, out, n, out_f, out_f, in_f, (x.stride(0), 0), (out.stride(0), 0), config, norm)
 
 
 def _check_norm(norm: Norm | None, in_f: int) -> None:
@@ -627,12 +599,11 @@ def _check_dtype(x: torch.Tensor) -> None:
 
 def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: int, out_f: int, rows: int,
          in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], config: Fp8Config | None,
-         norm: Norm | None = None, post: SitePost | None = None) -> torch.Tensor:
+         norm: Norm | None = None) -> torch.Tensor:
     """What the plain, the grouped and the dense call share once x and out are checked: the empty cases, the
     tiling (the one for the whole [out_f, in] weight, or `config`), the launch. A float weight (`dense_gemv`) has
     no scales and runs the GEMV only, by default with the GEMV heuristic for its element size. `norm` (plain
-    calls only: x [N, in]): fused when `fuses_norm`, else rms_norm(x) first. `post` (plain calls): see
-    `fp8_linear_triton`."""
+    calls only: x [N, in]): fused when `fuses_norm`, else rms_norm(x) first."""
     if n == 0 or out_f == 0:
         return out
     if in_f == 0:
@@ -653,7 +624,7 @@ def _run(x: torch.Tensor, w: QuantTensor | torch.Tensor, out: torch.Tensor, n: i
     if norm is not None and not fuses_norm(cfg, scale, in_f):
         x, norm = rms_norm(x, *norm).contiguous(), None
         x_strides = (x.stride(0), 0)
-    _launch(x, data, scale, out, n, out_f, rows, in_f, x_strides, out_strides, cfg, norm, post)
+    _launch(x, data, scale, out, n, out_f, rows, in_f, x_strides, out_strides, cfg, norm)
     return out
 
 
@@ -669,12 +640,11 @@ def gemv_holds(cfg: Fp8Config) -> bool:
 
 def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor, n: int, out_f: int,
             rows: int, in_f: int, x_strides: tuple[int, int], out_strides: tuple[int, int], cfg: Fp8Config,
-            norm: Norm | None = None, post: SitePost | None = None) -> None:
+            norm: Norm | None = None) -> None:
     """The kernel launch (+ the split-K sum) for out_f output rows in groups of `rows` (one group: rows = out_f):
     group i reads x[n] at x + n * x_strides[0] + i * x_strides[1] and writes out[n] at out + n * out_strides[0]
     + i * out_strides[1] (x and out with unit column stride). cfg.block_o divides rows when there are groups.
-    scale None: a float weight (`dense_gemv`), GEMV only. norm: the GEMV's fused RMSNorm (`fuses_norm`). post:
-    the mHC site's hc_post in the GEMV's epilogue where it takes one split and one group (`fp8_linear_triton`)."""
+    scale None: a float weight (`dense_gemv`), GEMV only. norm: the GEMV's fused RMSNorm (`fuses_norm`)."""
     steps = -(-in_f // cfg.block_k)   # K steps (the dot kernel's are the 128-column blocks)
     split = _even_split(steps, cfg.split_k)
     per_split = -(-steps // split)
@@ -690,16 +660,10 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
     elif cfg.kernel == "gemv":
         scaled = scale is not None
         nw, eps = (norm[0].contiguous(), float(norm[1])) if norm is not None else (x, 0.0)
-        if post is not None and split == 1 and rows == out_f and fused_supported(post.X, out):
-            post.ready()   # the epilogue reads post and comb: their side stream joins first
-            tail, const, new, ws = post_epilogue(post.X, post.post, post.comb, post.next_fn, grid[1])
-            post.result = (new, ws)
-        else:
-            tail, const = no_post_args(out)
         _fp8_gemv_kernel[grid](
             x, data, scale if scaled else data, y, nw, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,
-            stride_ys, eps, *tail, **const, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
+            stride_ys, eps, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
             NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, num_warps=cfg.num_warps, num_stages=1,
             **pdl_args(x, _fp8_gemv_kernel, hold=gemv_holds(cfg)))
     else:
@@ -739,13 +703,10 @@ def fp8_linear_reference(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | No
 
 
 def fp8_linear(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None,
-               config: Fp8Config | None = None, norm: Norm | None = None,
-               post: SitePost | None = None) -> torch.Tensor:
-    """Dispatcher: the Triton kernel for CUDA tensors (when triton imports), the torch reference elsewhere (which
-    leaves `post` to its caller)."""
-    if x.is_cuda and HAVE_TRITON:
-        return fp8_linear_triton(x, w, out=out, config=config, norm=norm, post=post)
-    return fp8_linear_reference(x, w, out=out, config=config, norm=norm)
+               config: Fp8Config | None = None, norm: Norm | None = None) -> torch.Tensor:
+    """Dispatcher: the Triton kernel for CUDA tensors (when triton imports), the torch reference elsewhere."""
+    fn = fp8_linear_triton if (x.is_cuda and HAVE_TRITON) else fp8_linear_reference
+    return fn(x, w, out=out, config=config, norm=norm)
 
 
 _DENSE_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32)

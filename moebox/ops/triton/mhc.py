@@ -329,87 +329,60 @@ if HAVE_TRITON:
             tl.store(comb_ptr + n.to(tl.int64) * (HC * HC) + jk, c, mask=valid)
 
     @triton.jit
-    def _fn_slice(fn_ptr, hh, mh, H, stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr,
-                  M_PAD: tl.constexpr):
-        """The next site's fn over columns hh of every stream, [M_PAD, HC_PAD, len(hh)] fp32 (0 past M / HC / H):
-        a weight, so its loads may go before the PDL wait and overlap the kernel before."""
-        offs_m = tl.arange(0, M_PAD)
-        offs_k = tl.arange(0, HC_PAD)
-        f_ptrs = fn_ptr + offs_m.to(tl.int64)[:, None, None] * stride_fm + (offs_k[:, None] * H + hh[None, :]
-                                                                         )[None, :, :]
-        return tl.load(f_ptrs, mask=(offs_m < M)[:, None, None] & ((offs_k < HC)[:, None] & mh[None, :])[None, :, :],
-                       other=0.0)
-
-    @triton.jit
-    def _post_columns(o, n, hh, mh, X_ptr, post_ptr, comb_ptr, new_ptr, stride_Xn, stride_new, stride_pn, stride_pk,
-                      stride_cn, stride_cj, stride_ck, H, HC: tl.constexpr, HC_PAD: tl.constexpr):
-        """hc_post over columns hh of token n: y[n, k, hh] = post[n, k] o + sum_j comb[n, j, k] X[n, j, hh] (o: the
-        sub-block's output there, fp32 holding X's dtype; coefficients rounded to X's dtype, the sum in fp32, one
-        rounding); stores y and returns it as fp32 [HC_PAD, len(hh)], rows past HC 0."""
-        offs_k = tl.arange(0, HC_PAD)
-        mk = offs_k < HC
-        dt = X_ptr.dtype.element_ty
-        p = tl.load(post_ptr + n * stride_pn + offs_k * stride_pk, mask=mk, other=0.0).to(dt).to(tl.float32)
-        acc = p[:, None] * o[None, :]
-        for j in tl.static_range(HC):
-            c = tl.load(comb_ptr + n * stride_cn + j * stride_cj + offs_k * stride_ck, mask=mk, other=0.0)
-            xj = tl.load(X_ptr + n * stride_Xn + j * H + hh, mask=mh, other=0.0).to(tl.float32)
-            acc += c.to(dt).to(tl.float32)[:, None] * xj[None, :]
-        y = acc.to(new_ptr.dtype.element_ty)
-        tl.store(new_ptr + n * stride_new + offs_k[:, None] * H + hh[None, :], y, mask=mk[:, None] & mh[None, :])
-        return tl.where(mk[:, None], y.to(tl.float32), 0.0)
-
-    @triton.jit
-    def _store_chain_partials(v, f, row, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr,
-                              M_PAD: tl.constexpr):
-        """One chain partial row at `row` from streams v [HC_PAD, cols] and the fn slice f over those columns: the
-        M logits v . fn[m] and the Gram matrix v[j] . v[k] after them."""
-        offs_m = tl.arange(0, M_PAD)
-        offs_k = tl.arange(0, HC_PAD)
-        mk = offs_k < HC
-        logits = tl.sum(tl.sum(f * v[None, :, :], axis=2), axis=1)
-        gram = tl.sum(v[:, None, :] * v[None, :, :], axis=2)
-        tl.store(row + offs_m, logits, mask=offs_m < M)
-        tl.store(row + M + offs_k[:, None] * HC + offs_k[None, :], gram, mask=mk[:, None] & mk[None, :])
-
-    @triton.jit
-    def _post_kernel(o_ptr, stride_on, a_ptr, X_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, ws_ptr, H,
-                     stride_an, stride_Xn, stride_new, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
+    def _post_kernel(o_ptr, a_ptr, X_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, ws_ptr, H,
+                     stride_on, stride_an, stride_Xn, stride_yn, stride_pn, stride_pk, stride_cn, stride_cj, stride_ck,
                      stride_fm, HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
-                     W_PAD: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr, PARTIALS: tl.constexpr,
-                     BLOCK_H: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-        """POST: y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h] over BLOCK_H columns
-        (`_post_columns`; ADD: o is the sum o + a, rounded to X's dtype, as the block adds the shared expert's
-        output to the routed one). PARTIALS: then the next site's partials of y as rounded (without POST: of X
-        itself), `_store_chain_partials` into row (n, s): ws[n, s, :M] = y[:, hs] . fn[:, :, hs] for this
-        program's columns hs, and ws[n, s, M + j * HC + k] = y[j, hs] . y[k, hs] (the Gram matrix, from which
-        `_mix_kernel` gets both rms_norms). EARLY: the fn slice, a weight, is loaded before the PDL wait: its
-        DRAM round trip overlaps the kernel before."""
+                     W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, POST: tl.constexpr, ADD: tl.constexpr,
+                     PARTIALS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        """POST: y[n, k, h] = post[n, k] o[n, h] + sum_j comb[n, j, k] X[n, j, h] over BLOCK_H columns,
+        coefficients rounded to X's dtype (ADD: o is the sum o + a, rounded to X's dtype, as the block adds
+        the shared expert's output to the routed one). PARTIALS: then the next site's partials of y as
+        rounded (without POST: of X itself): ws[n, s, :M] = y[:, hs] . fn[:, :, hs] for this program's columns
+        hs, and ws[n, s, M + j * HC + k] = y[j, hs] . y[k, hs] (the Gram matrix, from which `_mix_kernel`
+        gets both rms_norms). EARLY: the fn slice, a weight, is loaded before the PDL wait: its DRAM round trip
+        overlaps the kernel before."""
         n = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1)
         hh = s * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_k = tl.arange(0, HC_PAD)
         mh = hh < H
+        mk = offs_k < HC
+        dt = X_ptr.dtype.element_ty
         if PARTIALS:
+            offs_m = tl.arange(0, M_PAD)
+            mm = offs_m < M
+            f_ptrs = fn_ptr + offs_m.to(tl.int64)[:, None, None] * stride_fm + (offs_k[:, None] * H + hh[None, :]
+                                                                             )[None, :, :]
+            f_mask = mm[:, None, None] & (mk[:, None] & mh[None, :])[None, :, :]
             if EARLY:
-                f = _fn_slice(fn_ptr, hh, mh, H, stride_fm, HC, HC_PAD, M, M_PAD)
+                f = tl.load(f_ptrs, mask=f_mask, other=0.0)
         pdl_start(PDL)
         if PARTIALS:
             if EARLY == 0:
-                f = _fn_slice(fn_ptr, hh, mh, H, stride_fm, HC, HC_PAD, M, M_PAD)
+                f = tl.load(f_ptrs, mask=f_mask, other=0.0)
         if POST:
-            dt = X_ptr.dtype.element_ty
+            p = tl.load(post_ptr + n * stride_pn + offs_k * stride_pk, mask=mk, other=0.0).to(dt).to(tl.float32)
             o = tl.load(o_ptr + n * stride_on + hh, mask=mh, other=0.0).to(tl.float32)
             if ADD:
                 o = (o + tl.load(a_ptr + n * stride_an + hh, mask=mh, other=0.0).to(tl.float32)).to(dt)
                 o = o.to(tl.float32)
-            v = _post_columns(o, n, hh, mh, X_ptr, post_ptr, comb_ptr, new_ptr, stride_Xn, stride_new, stride_pn,
-                              stride_pk, stride_cn, stride_cj, stride_ck, H, HC, HC_PAD)
+            acc = p[:, None] * o[None, :]
+            for j in tl.static_range(HC):
+                c = tl.load(comb_ptr + n * stride_cn + j * stride_cj + offs_k * stride_ck, mask=mk, other=0.0)
+                xj = tl.load(X_ptr + n * stride_Xn + j * H + hh, mask=mh, other=0.0).to(tl.float32)
+                acc += c.to(dt).to(tl.float32)[:, None] * xj[None, :]
+            y = acc.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + n * stride_yn + offs_k[:, None] * H + hh[None, :], y, mask=mk[:, None] & mh[None, :])
+            v = tl.where(mk[:, None], y.to(tl.float32), 0.0)
         else:
-            offs_k = tl.arange(0, HC_PAD)
-            v = tl.load(X_ptr + n * stride_Xn + offs_k[:, None] * H + hh[None, :],
-                        mask=(offs_k < HC)[:, None] & mh[None, :], other=0.0).to(tl.float32)
+            v = tl.load(X_ptr + n * stride_Xn + offs_k[:, None] * H + hh[None, :], mask=mk[:, None] & mh[None, :],
+                        other=0.0).to(tl.float32)
         if PARTIALS:
-            _store_chain_partials(v, f, ws_ptr + (n * tl.num_programs(1) + s) * W_PAD, HC, HC_PAD, M, M_PAD)
+            logits = tl.sum(tl.sum(f * v[None, :, :], axis=2), axis=1)
+            gram = tl.sum(v[:, None, :] * v[None, :, :], axis=2)
+            row = ws_ptr + (n * tl.num_programs(1) + s) * W_PAD
+            tl.store(row + offs_m, logits, mask=mm)
+            tl.store(row + M + offs_k[:, None] * HC + offs_k[None, :], gram, mask=mk[:, None] & mk[None, :])
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
@@ -613,54 +586,16 @@ def _post(out: torch.Tensor | None, addend: torch.Tensor | None, X: torch.Tensor
     if fn is not None:
         ws = torch.empty((n, blocks, partials_width(m, hc)), dtype=torch.float32, device=X.device)
     o = _rows(out) if out is not None else X
-    args, const = post_args(X, post if out is not None else None, comb, _rows(addend) if addend is not None else None,
-                            fn, y, ws)
-    _post_kernel[(n, blocks)](o, o.stride(0), *args, **const, BLOCK_H=block_h, EARLY=early_loads(n),
-                              num_warps=cfg.num_warps, **pdl_args(X, _post_kernel))
+    a = _rows(addend) if addend is not None else o
+    p, c = (post, comb) if out is not None else (X, X)
+    _post_kernel[(n, blocks)](
+        o, a, X, p, c, y if y is not None else X, fn if fn is not None else X, ws if ws is not None else X, hidden,
+        o.stride(0), a.stride(0), X.stride(0), y.stride(0) if y is not None else 0,
+        *(p.stride(0), p.stride(1), c.stride(0), c.stride(1), c.stride(2)) if out is not None else (0,) * 5,
+        fn.stride(0) if fn is not None else 0, HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=next_pow2(max(m, 1)),
+        W_PAD=partials_width(m, hc), BLOCK_H=block_h, POST=out is not None, ADD=addend is not None,
+        PARTIALS=fn is not None, EARLY=early_loads(n), num_warps=cfg.num_warps, **pdl_args(X, _post_kernel))
     return y, ws
-
-
-def post_args(X: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None, addend: torch.Tensor | None,
-              fn: torch.Tensor | None, y: torch.Tensor | None, ws: torch.Tensor | None) -> tuple[tuple, dict]:
-    """The arguments of an hc_post epilogue after its o (`_post_kernel`'s, and the routed experts' down kernel's,
-    which computes o itself): pointers, H, strides and constexprs for streams X [N, hc, H]; POST with post [N,
-    hc] and comb [N, hc, hc] into y, ADD with addend [N, H], PARTIALS with fn [M, hc*H] into ws. Absent tensors
-    are X (never read), their strides 0."""
-    n, hc, hidden = X.shape
-    m = fn.shape[0] if fn is not None else 0
-    coeffs = (post.stride(0), post.stride(1), comb.stride(0), comb.stride(1), comb.stride(2)) if post is not None \
-        else (0,) * 5
-    args = (X if addend is None else addend, X, X if post is None else post, X if post is None else comb,
-            X if y is None else y, X if fn is None else fn, X if ws is None else ws, hidden,
-            0 if addend is None else addend.stride(0), X.stride(0), 0 if y is None else y.stride(0), *coeffs,
-            0 if fn is None else fn.stride(0))
-    return args, dict(HC=hc, HC_PAD=next_pow2(hc), M=m, M_PAD=next_pow2(max(m, 1)), W_PAD=partials_width(m, hc),
-                      POST=post is not None, ADD=addend is not None, PARTIALS=fn is not None)
-
-
-def no_post_args(t: torch.Tensor) -> tuple[tuple, dict]:
-    """`post_args` of a kernel launch without the epilogue: every pointer t (never read), sizes and strides 0."""
-    return (t,) * 7 + (0,) * 10, dict(HC=1, HC_PAD=1, M=0, M_PAD=1, W_PAD=1, POST=False, ADD=False, PARTIALS=False)
-
-
-def post_epilogue(X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, next_fn: torch.Tensor | None,
-                  blocks: int) -> tuple[tuple, dict, torch.Tensor, torch.Tensor | None]:
-    """hc_post_chain_triton's work (no addend) for a kernel that produces the sub-block's output [N, H] in
-    `blocks` column blocks a token and applies it in its epilogue: (`post_args`, X_new, the next site's partials
-    [N, blocks, partials_width] or None: no next_fn, or N past `chain_takes`)."""
-    X = _streams(X)
-    n, hc, hidden = X.shape
-    if not fused_supported(X) or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc) or hidden % blocks:
-        raise ValueError(f"hc_post epilogue: X {tuple(X.shape)} {X.dtype}, post {tuple(post.shape)}, comb "
-                         f"{tuple(comb.shape)}, {blocks} column blocks")
-    fn = _rows(next_fn) if next_fn is not None and chain_takes(X) else None
-    if fn is not None and fn.shape[1] != hc * hidden:
-        raise ValueError(f"fn must be [M, {hc * hidden}], got {tuple(fn.shape)}")
-    y = torch.empty(X.shape, dtype=X.dtype, device=X.device)
-    ws = None if fn is None else torch.empty((n, blocks, partials_width(fn.shape[0], hc)), dtype=torch.float32,
-                                             device=X.device)
-    args, const = post_args(X, post, comb, None, fn, y, ws)
-    return args, const, y, ws
 
 
 def hc_head_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, eps: float,
