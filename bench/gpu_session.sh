@@ -40,7 +40,8 @@
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
 #   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
-#   bash bench/gpu_session.sh fp8sweep  # the FP8 decode GEMV's tilings on the V4-Flash shapes (prints TUNED_DECODE)
+#   bash bench/gpu_session.sh fp8sweep  # the FP8 decode GEMV's tilings on the V4-Flash shapes (prints TUNED_DECODE;
+#                                       # SWEEP_ARGS: more flags, e.g. "--tokens 1 --kernels gemv")
 #   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post and the decode chain against the torch
 #                                       # references), then the chain's hc_post tilings (CHAIN_BLOCK_H)
 #   bash bench/gpu_session.sh topk      # the indexer's top-k kernel against torch.topk (1025 to 16385 entries)
@@ -119,7 +120,7 @@ experts)                      # the routed-expert decode kernels' sweep alone
     step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
     ;;
 fp8sweep)
-    step fp8-sweep python3 -m moebox.ops.triton.fp8_linear --sweep
+    step fp8-sweep python3 -m moebox.ops.triton.fp8_linear --sweep ${SWEEP_ARGS:-}
     ;;
 mhc)
     step mhc-bench python3 -m moebox.ops.triton.mhc --sweep-chain

@@ -158,10 +158,12 @@ def test_config_checks() -> None:
     for bad in (Fp8Config(kernel="wmma"), Fp8Config(kernel="gemv", block_k=192), Fp8Config(block_k=256),
                 Fp8Config(block_o=24, kernel="gemv"), Fp8Config(kernel="mma"),   # 32 rows for 4 warps
                 Fp8Config(kernel="mma", block_o=256, num_warps=4), Fp8Config(kernel="mma", block_o=64, num_warps=4,
-                                                                              num_stages=3)):
+                                                                              num_stages=3),
+                Fp8Config(kernel="mma", block_o=64, early=True)):   # early loads are the GEMV's
         with pytest.raises(ValueError):
             fp8_mod._check_config(bad)
     assert "gemv 4x8x1024 w4 s3" in Fp8Config(4, 8, 0, 4, 3, kernel="gemv", block_k=1024).label
+    assert Fp8Config(1, 8, kernel="gemv", block_k=1024, early=True).label.endswith(" early")
     assert fp8_mod._config_src(Fp8Config(1, 8, kernel="gemv", block_k=1024)) == \
         "Fp8Config(block_n=1, block_o=8, kernel='gemv', block_k=1024)"
 
@@ -213,7 +215,7 @@ def test_kernel_in_triton_interpreter() -> None:
 
 
 _GEMV_INTERPRETER_CHECK = textwrap.dedent("""
-    import json, os, sys, torch
+    import dataclasses, json, os, sys, torch
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path.insert(0, sys.argv[1])
     from moebox.ops.triton.fp8_linear import Fp8Config, fp8_linear_reference, fp8_linear_triton, pick_config
@@ -245,6 +247,16 @@ _GEMV_INTERPRETER_CHECK = textwrap.dedent("""
         results.append(dict(case=[n, str(dtype), str(cfg)], same_buffer=y.data_ptr() == out.data_ptr(),
                             finite=bool(torch.isfinite(y).all()), rel=float((y.float() - ref).norm() / ref.norm()),
                             ref_norm=float(ref.norm()), tol=tol[dtype]))
+    # one token with its first K step's weights loaded before the (here absent) PDL wait (Fp8Config.early): a full +
+    # a partial step, one partial step, split-K with the partial step alone in the last split
+    for w, cfg in ((w1, g(1, 4, 128)), (w2, g(1, 8, 512)), (w1, g(1, 8, 128, split=2)), (w2, g(1, 4, 128, split=3))):
+        cfg = dataclasses.replace(cfg, early=True)
+        out_f, in_f = w.data.shape
+        x = torch.randn(1, in_f)
+        y = fp8_linear_triton(x, w, config=cfg)
+        ref = fp8_linear_reference(x, w)
+        results.append(dict(case=["early", out_f, str(cfg)], same_buffer=True, finite=bool(torch.isfinite(y).all()),
+                            rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm()), tol=1e-5))
     # x with a row stride (a column slice of a wider tensor)
     xw = torch.randn(3, 300)
     x = xw[:, 30:291]
@@ -369,7 +381,9 @@ GEMV_CONFIGS = [Fp8Config(1, 1, 0, 4, 1, kernel="gemv", block_k=4096),
                 Fp8Config(2, 16, 3, 4, 4, kernel="gemv", block_k=512),
                 Fp8Config(8, 32, 0, 4, 3, kernel="gemv", block_k=256),
                 Fp8Config(4, 4, 8, 2, 2, kernel="gemv", block_k=128),
-                Fp8Config(1, 8, 2, 8, 3, kernel="gemv", block_k=2048)]
+                Fp8Config(1, 8, 2, 8, 3, kernel="gemv", block_k=2048),
+                Fp8Config(1, 8, 0, 4, 3, kernel="gemv", block_k=512, early=True),
+                Fp8Config(1, 4, 3, 4, 1, kernel="gemv", block_k=256, early=True)]
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.label.replace(" ", "-"))

@@ -41,6 +41,7 @@ def _launches() -> list[tuple[str, ast.Call]]:
 # The routed experts' down kernel also reads the expert ids: the routing wrote them before gate-up, the kernel
 # between, could start.
 READ_BEFORE_WAIT = {
+    "fp8_linear.py:_fp8_gemv_kernel": {"w_ptr", "s_ptr"},
     "fp8_mma.py:_fp8_mma_kernel": {"w_ptr", "s_ptr"},
     "mhc.py:_post_kernel": {"fn_ptr"},
     "route.py:_router_route_kernel": {"g_ptr"},

@@ -177,7 +177,10 @@ class Fp8Config:
     of 128) over num_warps warps, all tokens, K step 128; num_stages 2 loads the next step's weights before
     this step's math, 1 does not.
     split_k: programs sharing the K range of a tile (0 = pick from the grid size). Dot path only:
-    split_dtype, the dot dtype of fp32 x's two terms; bf16_as_fp16, convert bf16 x to fp16 and dot in fp16."""
+    split_dtype, the dot dtype of fp32 x's two terms; bf16_as_fp16, convert bf16 x to fp16 and dot in fp16.
+    GEMV only: early, the first K step's weights and scales loaded before the PDL wait (a sweep variant: in
+    every GEMV of a decode step it lost, twenty-sixth session, where the dependents parked in their wait share
+    the SMs with a multi-wave product's later programs)."""
 
     block_n: int = 16
     block_o: int = 32
@@ -188,6 +191,7 @@ class Fp8Config:
     bf16_as_fp16: bool = False
     kernel: str = "dot"
     block_k: int = BLOCK
+    early: bool = False
 
     @property
     def label(self) -> str:
@@ -196,8 +200,9 @@ class Fp8Config:
             return f"mma {self.block_o} w{self.num_warps} s{self.num_stages} split{self.split_k or 'A'}"
         k = f"x{self.block_k}" if self.kernel == "gemv" else ""
         fp16 = " fp16" if self.bf16_as_fp16 else ""
+        early = " early" if self.early else ""
         return (f"{self.kernel} {self.block_n}x{self.block_o}{k} w{self.num_warps} s{self.num_stages} "
-                f"split{self.split_k or 'A'}{fp16}")
+                f"split{self.split_k or 'A'}{fp16}{early}")
 
 
 # Decode calls (shapes without a TUNED_DECODE entry) with N <= GEMV_MAX_N take the GEMV, larger decode N the dot
@@ -342,6 +347,8 @@ def _check_config(cfg: Fp8Config) -> None:
         raise ValueError(f"block sizes must be powers of 2 and block_k >= {BLOCK}: {cfg}")
     if cfg.kernel == "dot" and cfg.block_k != BLOCK:
         raise ValueError(f"the dot kernel's K step is {BLOCK}: {cfg}")
+    if cfg.early and cfg.kernel != "gemv":
+        raise ValueError(f"early loads are the GEMV's: {cfg}")
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -426,8 +433,11 @@ if HAVE_TRITON:
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, N, OUT, ROWS, IN, STEPS_PER_SPLIT,
                          stride_xn, stride_xg, stride_wo, stride_so, stride_yn, stride_yg, stride_ys, eps,
                          BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-        pdl_start(PDL)
+                         NUM_STAGES: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, EARLY: tl.constexpr,
+                         PDL: tl.constexpr):
+        """y [N, OUT] (or a split's fp32 partials) = x @ dequant(w)^T on the CUDA cores. EARLY: the first K
+        step's weight tile and scales are loaded before the PDL wait (their DRAM round trip overlaps the kernel
+        before), the step itself is done after it."""
         KC: tl.constexpr = BLOCK_K // 16   # 16-column chunks per row and K step (16 bytes of FP8)
         pid_n = tl.program_id(0)
         pid_o = tl.program_id(1)
@@ -452,8 +462,25 @@ if HAVE_TRITON:
         step0 = pid_k * STEPS_PER_SPLIT
         step1 = tl.minimum(step0 + STEPS_PER_SPLIT, tl.cdiv(IN, BLOCK_K))
         full = tl.minimum(step1, IN // BLOCK_K)
+        if EARLY:   # the first step (full or the partial last one; none if the split is empty): its weights
+            lim = tl.where(step0 < step1, IN, 0)
+            w_first = tl.load(w_ptrs + step0 * BLOCK_K, mask=(step0 * BLOCK_K + w_cols)[:, None] + vec[None, :] < lim,
+                              other=0.0)
+            sb_first = tl.load(s_ptrs + step0 * BLOCK_K // 128, mask=step0 * BLOCK_K + w_cols < lim,
+                               other=0) if SCALED else 0
+        pdl_start(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_O, KC), dtype=tl.float32)
-        for step in tl.range(step0, full, num_stages=NUM_STAGES):  # full steps: no masks
+        first = step0
+        if EARLY:
+            mask_x = (step0 * BLOCK_K + x_cols)[:, None] + vec[None, :] < lim
+            x = tl.load(x_ptrs + step0 * BLOCK_K, mask=mask_x, other=0.0)
+            if NORM:
+                x = x.to(tl.float32)
+                ss += x * x
+                x = x * tl.load(nw_ptrs + step0 * BLOCK_K, mask=mask_x, other=0.0).to(tl.float32)
+            acc += _gemv_step(x, w_first, sb_first, BLOCK_N, BLOCK_O, KC, SCALED)
+            first = step0 + 1
+        for step in tl.range(first, full, num_stages=NUM_STAGES):  # full steps: no masks
             k0 = step * BLOCK_K
             x = tl.load(x_ptrs + k0)
             if NORM:
@@ -463,7 +490,7 @@ if HAVE_TRITON:
             w = tl.load(w_ptrs + k0)
             sb = tl.load(s_ptrs + k0 // 128) if SCALED else 0
             acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
-        if full < step1:  # the partial last step is in this split
+        if (full < step1) & (full >= first):  # the partial last step is in this split (and not done above)
             k0 = full * BLOCK_K
             mask_x = (k0 + x_cols)[:, None] + vec[None, :] < IN
             x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0)
@@ -664,8 +691,8 @@ def _launch(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, out
             x, data, scale if scaled else data, y, nw, n, out_f, rows, in_f, per_split,
             x_strides[0], x_strides[1], data.stride(0), scale.stride(0) if scaled else 0, stride_yn, stride_yg,
             stride_ys, eps, BLOCK_N=cfg.block_n, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
-            NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, num_warps=cfg.num_warps, num_stages=1,
-            **pdl_args(x, _fp8_gemv_kernel, hold=gemv_holds(cfg)))
+            NUM_STAGES=cfg.num_stages, SCALED=scaled, NORM=norm is not None, EARLY=cfg.early,
+            num_warps=cfg.num_warps, num_stages=1, **pdl_args(x, _fp8_gemv_kernel, hold=gemv_holds(cfg)))
     else:
         if x.dtype == torch.float32:
             terms = 2
@@ -937,7 +964,11 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
     step, 1 and 4 stages and split-K 2 when there are several steps, half the tokens per program for N > 1
     and 8 for N > 4); for N > 1 also the dot path in fp16 (bf16_as_fp16: one e4m3 -> f16 conversion a weight
     pair where bf16 takes a further f16 -> bf16 one a weight) at 16, 32 and 64 rows a program, and 64 rows
-    with 8 warps; then the tensor-core kernel's (`_mma_variants`)."""
+    with 8 warps; for N = 1 lean GEMVs (8 rows x 512 or 256 columns a step: ~72 / ~56 registers, so a product's
+    programs fit in one wave with room for the next product's, where the 1024-column step's 223 registers give two
+    programs an SM) and these, the default and the pick with their first step loaded before the PDL wait
+    (`early`: in the sweep's chain of copies the next product's programs could then stream while this one ends);
+    then the tensor-core kernel's (`_mma_variants`)."""
     g = _gemv_config(n, out_f, in_f, sms)
     pad = max(BLOCK, next_pow2(in_f))
 
@@ -960,6 +991,11 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
     if n > 1:
         out += [Fp8Config(block_n=16, block_o=bo, num_warps=w, num_stages=4, bf16_as_fp16=True)
                 for bo, w in ((16, 4), (32, 4), (64, 4), (64, 8))]
+    if n == 1:
+        lean = [gemv(block_o=8, block_k=min(pad, bk)) for bk in (512, 256)]
+        gemvs = {resolve_split(c, 1, out_f, in_f, sms): None for c in (g, pick_config(1, out_f, in_f, sms=sms), *lean)
+                 if c.kernel == "gemv"}
+        out += lean + [replace(c, early=True) for c in gemvs]
     return list(dict.fromkeys(out + _mma_variants(n, out_f, in_f, sms)))  # unique, in order
 
 
