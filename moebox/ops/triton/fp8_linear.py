@@ -31,7 +31,9 @@ reached only 7-29% of the copy bandwidth there on the H200 (CUDA-graph replay, N
     through a shared-memory ring with cp.async (LDGSTS.128 in the sm_90 SASS); the launch's num_stages
     option alone pipelines only loads that feed a tl.dot. Scale bytes are plain loads (1 per 16 weights).
     A register prefetch of the next tile was tried and dropped: Triton carries FP8 loop values one byte per
-    register, ~2 PRMT per weight. N, out and the split/scale/output strides are not specialized on, so one
+    register, ~2 PRMT per weight. `early` (a tiling field, off in every pick) loads the first K step's weights
+    before the PDL wait: in every GEMV of a decode step it lost (twenty-sixth session); the sweep times it at
+    N = 1 beside lean tilings. N, out and the split/scale/output strides are not specialized on, so one
     compile of a tiling serves every shape whose in and row strides are multiples of 16, at any N. Other
     strides get narrower loads and a layout that sums each chunk across lanes: correct, slower (odd shapes).
   - Conversion: `.to(tl.float32)` of an e4m3 tile is F2FP.F16.E4M3 (two weights per instruction) + HADD2.F32,
