@@ -180,9 +180,8 @@ class Fp8Config:
     this step's math, 1 does not.
     split_k: programs sharing the K range of a tile (0 = pick from the grid size). Dot path only:
     split_dtype, the dot dtype of fp32 x's two terms; bf16_as_fp16, convert bf16 x to fp16 and dot in fp16.
-    GEMV only: early, the first K step's weights and scales loaded before the PDL wait (a sweep variant: in
-    every GEMV of a decode step it lost, twenty-sixth session, where the dependents parked in their wait share
-    the SMs with a multi-wave product's later programs)."""
+    GEMV only: early, the first K step's weights and scales loaded before the PDL wait (a sweep variant; see
+    the module doc)."""
 
     block_n: int = 16
     block_o: int = 32
@@ -427,6 +426,25 @@ if HAVE_TRITON:
             part = part * (tl.reshape(sb, (1, BLOCK_O, KC)).to(tl.int32) << 23).to(tl.float32, bitcast=True)
         return part
 
+    @triton.jit
+    def _masked_weights(w_ptrs, s_ptrs, w_cols, vec, k0, lim, SCALED: tl.constexpr):
+        """The GEMV's weight tile and scale bytes of the K step at k0, columns past lim read as 0."""
+        w = tl.load(w_ptrs + k0, mask=(k0 + w_cols)[:, None] + vec[None, :] < lim, other=0.0)
+        sb = tl.load(s_ptrs + k0 // 128, mask=k0 + w_cols < lim, other=0) if SCALED else 0
+        return w, sb
+
+    @triton.jit
+    def _masked_x(x_ptrs, nw_ptrs, x_cols, vec, k0, lim, ss, NORM: tl.constexpr):
+        """The GEMV's x chunks of the K step at k0, columns past lim read as 0; with NORM times the norm weight,
+        their squares added to ss."""
+        mask = (k0 + x_cols)[:, None] + vec[None, :] < lim
+        x = tl.load(x_ptrs + k0, mask=mask, other=0.0)
+        if NORM:
+            x = x.to(tl.float32)
+            ss += x * x
+            x = x * tl.load(nw_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        return x, ss
+
     # N, OUT, ROWS and the split/scale/output strides are not specialized on (== 1, % 16), so one compile serves
     # all shapes and N alike; IN and the x / w row and x group strides are (% 16: the 16-byte vector loads and
     # the tail mask).
@@ -458,28 +476,20 @@ if HAVE_TRITON:
         x_rows = tl.minimum(pid_n * BLOCK_N + xr // KC, N - 1)
         x_cols = (xr % KC) * 16
         x_ptrs = x_ptr + (x_rows.to(tl.int64) * stride_xn + x_cols)[:, None] + vec[None, :]
-        if NORM:   # the RMSNorm: x * weight in the loop, its sum of squares beside, 1 / rms applied at the end
-            nw_ptrs = nw_ptr + x_cols[:, None] + vec[None, :]
-            ss = tl.zeros((BLOCK_N * KC, 16), dtype=tl.float32)
+        # the RMSNorm (NORM): x * weight in the loop, its sum of squares beside, 1 / rms applied at the end
+        nw_ptrs = nw_ptr + x_cols[:, None] + vec[None, :]
+        ss = tl.zeros((BLOCK_N * KC, 16), dtype=tl.float32)
         step0 = pid_k * STEPS_PER_SPLIT
         step1 = tl.minimum(step0 + STEPS_PER_SPLIT, tl.cdiv(IN, BLOCK_K))
         full = tl.minimum(step1, IN // BLOCK_K)
         if EARLY:   # the first step (full or the partial last one; none if the split is empty): its weights
             lim = tl.where(step0 < step1, IN, 0)
-            w_first = tl.load(w_ptrs + step0 * BLOCK_K, mask=(step0 * BLOCK_K + w_cols)[:, None] + vec[None, :] < lim,
-                              other=0.0)
-            sb_first = tl.load(s_ptrs + step0 * BLOCK_K // 128, mask=step0 * BLOCK_K + w_cols < lim,
-                               other=0) if SCALED else 0
+            w_first, sb_first = _masked_weights(w_ptrs, s_ptrs, w_cols, vec, step0 * BLOCK_K, lim, SCALED)
         pdl_start(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_O, KC), dtype=tl.float32)
         first = step0
         if EARLY:
-            mask_x = (step0 * BLOCK_K + x_cols)[:, None] + vec[None, :] < lim
-            x = tl.load(x_ptrs + step0 * BLOCK_K, mask=mask_x, other=0.0)
-            if NORM:
-                x = x.to(tl.float32)
-                ss += x * x
-                x = x * tl.load(nw_ptrs + step0 * BLOCK_K, mask=mask_x, other=0.0).to(tl.float32)
+            x, ss = _masked_x(x_ptrs, nw_ptrs, x_cols, vec, step0 * BLOCK_K, lim, ss, NORM)
             acc += _gemv_step(x, w_first, sb_first, BLOCK_N, BLOCK_O, KC, SCALED)
             first = step0 + 1
         for step in tl.range(first, full, num_stages=NUM_STAGES):  # full steps: no masks
@@ -493,15 +503,8 @@ if HAVE_TRITON:
             sb = tl.load(s_ptrs + k0 // 128) if SCALED else 0
             acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
         if (full < step1) & (full >= first):  # the partial last step is in this split (and not done above)
-            k0 = full * BLOCK_K
-            mask_x = (k0 + x_cols)[:, None] + vec[None, :] < IN
-            x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0)
-            if NORM:
-                x = x.to(tl.float32)
-                ss += x * x
-                x = x * tl.load(nw_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + k0, mask=(k0 + w_cols)[:, None] + vec[None, :] < IN, other=0.0)
-            sb = tl.load(s_ptrs + k0 // 128, mask=k0 + w_cols < IN, other=0) if SCALED else 0
+            x, ss = _masked_x(x_ptrs, nw_ptrs, x_cols, vec, full * BLOCK_K, IN, ss, NORM)
+            w, sb = _masked_weights(w_ptrs, s_ptrs, w_cols, vec, full * BLOCK_K, IN, SCALED)
             acc += _gemv_step(x, w, sb, BLOCK_N, BLOCK_O, KC, SCALED)
         y = tl.sum(acc, axis=2)   # [BN, BO]: across the lanes and warps, once
         if NORM:   # the whole row was this program's (one split): its mean square is complete
@@ -995,9 +998,8 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
                 for bo, w in ((16, 4), (32, 4), (64, 4), (64, 8))]
     if n == 1:
         lean = [gemv(block_o=8, block_k=min(pad, bk)) for bk in (512, 256)]
-        gemvs = {resolve_split(c, 1, out_f, in_f, sms): None for c in (g, pick_config(1, out_f, in_f, sms=sms), *lean)
-                 if c.kernel == "gemv"}
-        out += lean + [replace(c, early=True) for c in gemvs]
+        out += lean + [replace(resolve_split(c, 1, out_f, in_f, sms), early=True)   # the same tiling once (below)
+                       for c in (g, pick_config(1, out_f, in_f, sms=sms), *lean) if c.kernel == "gemv"]
     return list(dict.fromkeys(out + _mma_variants(n, out_f, in_f, sms)))  # unique, in order
 
 
