@@ -134,12 +134,16 @@ def test_two_token_gemvs_hold_their_dependents(monkeypatch: pytest.MonkeyPatch) 
 
 def test_sweep_variants_are_valid() -> None:
     """What --sweep times: the dot default first, then the GEMV default, all distinct and accepted by the
-    config checks, at most 128 bytes of weight per thread and K step."""
+    config checks, at most 128 bytes of weight per thread and K step; at one token the pick both with and
+    without early loads (so a sweep can overturn an early pick)."""
     for _, out_f, in_f in V4_FLASH_SHAPES:
         for n in (1, 4, 16):
             vs = fp8_mod._sweep_variants(n, out_f, in_f)
             assert vs[0].kernel == "dot" and vs[1] == fp8_mod._gemv_config(n, out_f, in_f, 132)
             assert len(set(vs)) == len(vs) >= 4
+            pick = pick_config(n, out_f, in_f)   # split resolved, as the sweep times it
+            if n == 1 and pick.kernel == "gemv":
+                assert {replace(pick, early=False), replace(pick, early=True)} <= set(vs)
             for cfg in vs:
                 fp8_mod._check_config(cfg)
                 assert cfg.kernel != "gemv" or cfg.block_o * cfg.block_k <= 128 * 32 * cfg.num_warps

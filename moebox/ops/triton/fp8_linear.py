@@ -31,9 +31,10 @@ reached only 7-29% of the copy bandwidth there on the H200 (CUDA-graph replay, N
     through a shared-memory ring with cp.async (LDGSTS.128 in the sm_90 SASS); the launch's num_stages
     option alone pipelines only loads that feed a tl.dot. Scale bytes are plain loads (1 per 16 weights).
     A register prefetch of the next tile was tried and dropped: Triton carries FP8 loop values one byte per
-    register, ~2 PRMT per weight. `early` (a tiling field, off in every pick) loads the first K step's weights
-    before the PDL wait: in every GEMV of a decode step it lost (twenty-sixth session); the sweep times it at
-    N = 1 beside lean tilings. N, out and the split/scale/output strides are not specialized on, so one
+    register, ~2 PRMT per weight. `early` (a tiling field) loads the first K step's weights before the PDL
+    wait: in every GEMV of a decode step it lost (twenty-sixth session), but in the one-token sweep it gains
+    on the two small products whose kernel before reads little (wq_a+wkv 4.31 -> 3.56 us, shared w2 4.40 ->
+    4.08; thirtieth session), so only their N = 1 picks take it. N, out and the split/scale/output strides are not specialized on, so one
     compile of a tiling serves every shape whose in and row strides are multiples of 16, at any N. Other
     strides get narrower loads and a layout that sums each chunk across lanes: correct, slower (odd shapes).
   - Conversion: `.to(tl.float32)` of an e4m3 tile is F2FP.F16.E4M3 (two weights per instruction) + HADD2.F32,
@@ -180,8 +181,7 @@ class Fp8Config:
     this step's math, 1 does not.
     split_k: programs sharing the K range of a tile (0 = pick from the grid size). Dot path only:
     split_dtype, the dot dtype of fp32 x's two terms; bf16_as_fp16, convert bf16 x to fp16 and dot in fp16.
-    GEMV only: early, the first K step's weights and scales loaded before the PDL wait (a sweep variant; see
-    the module doc)."""
+    GEMV only: early, the first K step's weights and scales loaded before the PDL wait (see the module doc)."""
 
     block_n: int = 16
     block_o: int = 32
@@ -219,9 +219,10 @@ GEMV_MAX_N = 8
 # `--sweep --kernels mma`, up to 1.5x the dot at N = 8: docs/benchmarks.md). The mma kernel wins at N = 2-8 on
 # most products, the dot path in fp16 at N = 16 (1.6-1.8x the bf16 dot): both convert bf16 x to fp16 in the
 # kernel, so these products assume |x| < 65504 (normed or clamped activations, attention and its latents).
+# The N = 1 entries of wq_a+wkv and shared w2 (early loads) are the thirtieth session's `--sweep --tokens 1`.
 TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {
     (1536, 4096): (  # wq_a+wkv
-        (1, Fp8Config(block_n=1, block_o=4, num_stages=3, kernel='gemv', block_k=2048)),
+        (1, Fp8Config(block_n=1, block_o=4, split_k=1, num_stages=3, kernel='gemv', block_k=2048, early=True)),
         (2, Fp8Config(block_n=2, block_o=2, num_stages=1, kernel='gemv', block_k=4096)),
         (4, Fp8Config(bf16_as_fp16=True)),
         (8, Fp8Config(bf16_as_fp16=True)),
@@ -263,7 +264,7 @@ TUNED_DECODE: dict[tuple[int, int], tuple[tuple[int, Fp8Config], ...]] = {
         (16, Fp8Config(bf16_as_fp16=True)),
     ),
     (4096, 2048): (  # shared_w2
-        (1, Fp8Config(block_n=1, block_o=8, num_stages=1, kernel='gemv', block_k=2048)),
+        (1, Fp8Config(block_n=1, block_o=8, split_k=1, num_stages=3, kernel='gemv', block_k=1024, early=True)),
         (2, Fp8Config(block_n=2, block_o=16, num_stages=3, kernel='gemv', block_k=512)),
         (4, Fp8Config(block_o=64, split_k=8, num_stages=2, kernel='mma')),
         (8, Fp8Config(block_o=128, num_warps=8, num_stages=2, kernel='mma')),
@@ -969,11 +970,9 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
     step, 1 and 4 stages and split-K 2 when there are several steps, half the tokens per program for N > 1
     and 8 for N > 4); for N > 1 also the dot path in fp16 (bf16_as_fp16: one e4m3 -> f16 conversion a weight
     pair where bf16 takes a further f16 -> bf16 one a weight) at 16, 32 and 64 rows a program, and 64 rows
-    with 8 warps; for N = 1 lean GEMVs (8 rows x 512 or 256 columns a step: ~72 / ~56 registers, so a product's
-    programs fit in one wave with room for the next product's, where the 1024-column step's 223 registers give two
-    programs an SM) and these, the default and the pick with their first step loaded before the PDL wait
-    (`early`: in the sweep's chain of copies the next product's programs could then stream while this one ends);
-    then the tensor-core kernel's (`_mma_variants`)."""
+    with 8 warps; for N = 1 the default and the pick each with and without their first step loaded before the
+    PDL wait (`early`); then the tensor-core kernel's (`_mma_variants`). (Lean one-token GEMVs, 8 rows x 512 or
+    256 columns a step for two programs an SM, lost on every product: thirtieth session.)"""
     g = _gemv_config(n, out_f, in_f, sms)
     pad = max(BLOCK, next_pow2(in_f))
 
@@ -997,9 +996,10 @@ def _sweep_variants(n: int, out_f: int, in_f: int, sms: int = 132) -> list[Fp8Co
         out += [Fp8Config(block_n=16, block_o=bo, num_warps=w, num_stages=4, bf16_as_fp16=True)
                 for bo, w in ((16, 4), (32, 4), (64, 4), (64, 8))]
     if n == 1:
-        lean = [gemv(block_o=8, block_k=min(pad, bk)) for bk in (512, 256)]
-        out += lean + [replace(resolve_split(c, 1, out_f, in_f, sms), early=True)   # the same tiling once (below)
-                       for c in (g, pick_config(1, out_f, in_f, sms=sms), *lean) if c.kernel == "gemv"]
+        for c in (g, pick_config(1, out_f, in_f, sms=sms)):
+            if c.kernel == "gemv":   # split resolved, so a tiling and its twin are timed once each (below)
+                c = resolve_split(c, 1, out_f, in_f, sms)
+                out += [replace(c, early=False), replace(c, early=True)]
     return list(dict.fromkeys(out + _mma_variants(n, out_f, in_f, sms)))  # unique, in order
 
 
