@@ -39,7 +39,8 @@
 #                                       # took 221 s), on two see `pair`
 #   bash bench/gpu_session.sh copycheck # the copy-learning bench on CUDA (the CPU learns it in ~300 steps)
 #   bash bench/gpu_session.sh spec      # eval of the shipped demo, and MTP vs plain on it
-#   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep
+#   bash bench/gpu_session.sh experts   # the routed-expert decode kernels' sweep (W2_ARGS: other flags of
+#                                       # `python -m moebox.ops.triton.w2_moe`, e.g. "--tokens 1 --k 4 6 8")
 #   bash bench/gpu_session.sh fp8sweep  # the FP8 decode GEMV's tilings on the V4-Flash shapes (prints TUNED_DECODE;
 #                                       # SWEEP_ARGS: more flags, e.g. "--tokens 1 --kernels gemv")
 #   bash bench/gpu_session.sh mhc       # the mHC kernels (hc_pre, hc_post and the decode chain against the torch
@@ -116,8 +117,9 @@ tests)
         tests/test_triton_rms_norm.py tests/test_triton_index_scores.py tests/test_triton_fp8_mma.py \
         tests/test_triton_fp8_norm.py tests/test_triton_rope.py tests/test_cuda.py}
     ;;
-experts)                      # the routed-expert decode kernels' sweep alone
-    step w2-experts-sweep python3 -m moebox.ops.triton.w2_moe --sweep
+experts)                      # the routed-expert decode kernels' sweep alone (or W2_ARGS' bench)
+    # shellcheck disable=SC2086  # W2_ARGS: several flags
+    step w2-experts python3 -m moebox.ops.triton.w2_moe ${W2_ARGS:---sweep}
     ;;
 fp8sweep)
     step fp8-sweep python3 -m moebox.ops.triton.fp8_linear --sweep ${SWEEP_ARGS:-}

@@ -22,6 +22,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import moebox.ops.triton.w2_moe as w2_mod
 from moebox.ops.triton.w2_moe import (DEFAULT_CONFIG, SWEEP, DecodeConfig, expert_bytes, layer_views,
                                       random_planes, random_routing, stack_planes, w2_moe_decode,
                                       w2_moe_decode_reference)
@@ -172,6 +173,18 @@ _INTERPRETER_FMA = _INTERPRETER_SETUP + textwrap.dedent("""
     run_layer_views(64, 32, 2, fma)
     print("RESULT " + json.dumps(results))
 """)
+
+
+def test_bench_entry_point_parses() -> None:
+    """`python -m moebox.ops.triton.w2_moe`: its flags, and a clear exit where there is no GPU."""
+    args = w2_mod._parse(["--tokens", "1", "--k", "4", "6", "8", "--sweep"])
+    assert args.tokens == [1] and args.k == [4, 6, 8] and args.sweep and not args.sass
+    assert w2_mod._parse([]).tokens == [1, 4, 16] and w2_mod._parse([]).k == [6]
+    with pytest.raises(SystemExit):
+        w2_mod._parse(["--k", "six"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            w2_mod.main(["--tokens", "1"])
 
 
 @pytest.mark.slow

@@ -144,6 +144,7 @@ in the 50 MB L2).
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -154,8 +155,8 @@ from moebox.ops.moe import routed_experts
 from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, build_sm90, graph_us, interpreting, loop_sass,  # noqa: F401
-                                       packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, interpreting,  # noqa: F401
+                                       loop_sass, packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -960,12 +961,32 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
     return rows
 
 
-if __name__ == "__main__":  # python -m moebox.ops.triton.w2_moe [--sweep]
-    import sys
-    print(versions())
-    if "--sass" in sys.argv:   # no GPU needed
+def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moebox.ops.triton.w2_moe",
+                                description="Time the routed-expert decode call at the V4-Flash shape (CUDA-graph "
+                                            "replay). Several --k values give one table each: at one token the "
+                                            "gate-up grid grows with k (128 programs of 2 warps an expert), so k = 8 "
+                                            "against 6 says whether more warps an SM, still one wave, stream faster.")
+    p.add_argument("--sweep", action="store_true", help="time the SWEEP tilings, not only the default")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16], help="tokens a call (default 1 4 16)")
+    p.add_argument("--k", type=int, nargs="+", default=[6], help="experts a token (default 6, V4-Flash's)")
+    p.add_argument("--sass", action="store_true", help="only build the default kernels for sm_90 and report their "
+                                                       "registers and loop instructions (no GPU needed)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse(argv)
+    if args.sass:
+        print(versions())
         for name, split in (("gate_up", DEFAULT_CONFIG.gate_split), ("down", DEFAULT_CONFIG.down_split)):
             for selector_fma in (False, True):
                 print(sass_report(name, split, DEFAULT_CONFIG.prefetch, selector_fma))
-    else:
-        bench(configs=SWEEP if "--sweep" in sys.argv else (("default", None),))
+        return
+    bench_start()
+    for k in args.k:
+        bench(tokens=args.tokens, k=k, configs=SWEEP if args.sweep else (("default", None),))
+
+
+if __name__ == "__main__":  # python -m moebox.ops.triton.w2_moe [--sweep] [--tokens ...] [--k ...] [--sass]
+    main()
