@@ -506,6 +506,22 @@ if HAVE_TRITON:
                 tl.load(w3c_ptr + c_row + wb), tl.load(w3s_ptr + s_row + wb // 2), wb)
 
     @triton.jit
+    def _gate_rows(xp_ptr, e, t, rw, c_expert_stride, s_expert_stride, g, rho, w, HW: tl.constexpr,
+                   TX: tl.constexpr, USE_ASM: tl.constexpr):
+        """Where a gate-up program's [16S, 16] tile reads, for row tile rw of expert e and token t: its code
+        words' and scale bytes' offsets in the planes (K tile 0) and its x pairs' addresses."""
+        r = 8 * rho + g
+        row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
+        c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
+        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
+            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
+            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
+        else:
+            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
+            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
+        return c_row, s_row, x_row
+
+    @triton.jit
     def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
@@ -518,15 +534,8 @@ if HAVE_TRITON:
         t = p // K
         e = tl.load(ids_ptr + p).to(tl.int64)
         g, sp, rho, w = _tile_coords(S)
-        r = 8 * rho + g
-        row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
-        c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
-        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
-            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
-            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
-        else:
-            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
-            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
+        c_row, s_row, x_row = _gate_rows(xp_ptr, e, t, rw, c_expert_stride, s_expert_stride, g, rho, w, HW, TX,
+                                         USE_ASM)
         LAST: tl.constexpr = HW // 16 - 1
         acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
         acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
@@ -586,7 +595,6 @@ if HAVE_TRITON:
         u = pid * UNITS // PROGRAMS
         u_end = (pid + 1) * UNITS // PROGRAMS
         g, sp, rho, w = _tile_coords(S)
-        r = 8 * rho + g
         j2 = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]     # a [2, 8] sum's slot in part
         while u < u_end:
             tile = u // KT
@@ -596,14 +604,8 @@ if HAVE_TRITON:
             rw = tile - p * IW
             t = p // K
             e = tl.load(ids_ptr + p).to(tl.int64)
-            row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)
-            c_row = e * c_expert_stride + row * HW + w
-            if USE_ASM:
-                s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
-                x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)) * (HW * 8) + 16 * rho + w
-            else:
-                s_row = e * s_expert_stride + row * (HW // 2) + w // 2
-                x_row = xp_ptr + t * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
+            c_row, s_row, x_row = _gate_rows(xp_ptr, e, t, rw, c_expert_stride, s_expert_stride, g, rho, w, HW,
+                                             TX, USE_ASM)
             acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
             acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
             # warp s takes K tiles k0 + s, k0 + s + S, ... of the segment, the next one's loads issued before
