@@ -34,9 +34,10 @@ reached only 7-29% of the copy bandwidth there on the H200 (CUDA-graph replay, N
     register, ~2 PRMT per weight. `early` (a tiling field) loads the first K step's weights before the PDL
     wait: in every GEMV of a decode step it lost (twenty-sixth session), but in the one-token sweep it gains
     on the two small products whose kernel before reads little (wq_a+wkv 4.31 -> 3.56 us, shared w2 4.40 ->
-    4.08; thirtieth session), so only their N = 1 picks take it. N, out and the split/scale/output strides are not specialized on, so one
-    compile of a tiling serves every shape whose in and row strides are multiples of 16, at any N. Other
-    strides get narrower loads and a layout that sums each chunk across lanes: correct, slower (odd shapes).
+    4.08; thirtieth session), so only their N = 1 picks take it. N, out and the split/scale/output strides
+    are not specialized on, so one compile of a tiling serves every shape whose in and row strides are
+    multiples of 16, at any N. Other strides get narrower loads and a layout that sums each chunk across
+    lanes: correct, slower (odd shapes).
   - Conversion: `.to(tl.float32)` of an e4m3 tile is F2FP.F16.E4M3 (two weights per instruction) + HADD2.F32,
     both exact and no F2F (the slow single conversion the bf16 dot path needs). The e4m3 -> fp16 bit trick
     (sign and magnitude shifted into place, value * 2^-8 exactly, the 2^8 folded into the block scale) would

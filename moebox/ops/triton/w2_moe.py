@@ -792,7 +792,7 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
 
 
-STREAM_K_WARPS_PER_SM = 16   # the gate-up kernels' 128 registers (sm_90 build) hold 16 warps an SM
+STREAM_K_WARPS_PER_SM = 16   # 128 registers a thread (the stream-K kernel's sm_90 build: 104) fit 16 warps an SM
 _stream_k_counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and row-tile count
 
 
@@ -1032,10 +1032,11 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
 def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
-    """Build one mma kernel ("gate_up", "gate_up_sk" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
-    Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
-    layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
-    of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
+    """Build one mma kernel ("gate_up", "gate_up_sk" (stream-K) or "down", V4-Flash constants, bf16 x) for sm_90
+    on any machine with Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what
+    it costs: the layout of the asm operands, layout conversions inside the K loop, registers and spill stack,
+    and the SASS of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA;
+    for "gate_up_sk" the longest loop is its loop over row tiles, the K loop inside it)."""
     gate_types = ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16")
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, gate_types + ("i32", "i32", "fp32")
