@@ -522,6 +522,20 @@ if HAVE_TRITON:
         return c_row, s_row, x_row
 
     @triton.jit
+    def _store_h(hp_ptr, rw_ptr, p, rw, gate, up, limit, I: tl.constexpr, TH: tl.constexpr,
+                 HAS_LIMIT: tl.constexpr):
+        """Pair p's h rows 16 rw.. from their gate and up sums [2, 8] (rep, lane group): clamp, SiLU, product,
+        routing weight, stored as TH bf16 terms in the pair layout."""
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
+        IW: tl.constexpr = I // 16
+        r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + r_out: pair r_out // 2
+        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, r_out // 2) + r_out % 2, h,
+                          TH, IW * 16)
+
+    @triton.jit
     def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
@@ -562,20 +576,6 @@ if HAVE_TRITON:
                 c1, s1, c3, s3, wb = n1, m1, n3, m3, nb
         _store_h(hp_ptr, rw_ptr, p, rw, _reduce_tile(acc_g, TX, S, USE_ASM), _reduce_tile(acc_u, TX, S, USE_ASM),
                  limit, I, TH, HAS_LIMIT)
-
-    @triton.jit
-    def _store_h(hp_ptr, rw_ptr, p, rw, gate, up, limit, I: tl.constexpr, TH: tl.constexpr,
-                 HAS_LIMIT: tl.constexpr):
-        """Pair p's h rows 16 rw.. from their gate and up sums [2, 8] (rep, lane group): clamp, SiLU, product,
-        routing weight, stored as TH bf16 terms in the pair layout."""
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
-        IW: tl.constexpr = I // 16
-        r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + r_out: pair r_out // 2
-        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, r_out // 2) + r_out % 2, h,
-                          TH, IW * 16)
 
     @triton.jit
     def _gate_up_mma_sk_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr, part_ptr,
@@ -1041,7 +1041,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, gate_types + ("i32", "i32", "fp32")
         const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, PREFETCH=prefetch)
-    elif kernel == "gate_up_sk":   # prefetch 1 always
+    elif kernel == "gate_up_sk":   # its prefetch is 1 step
         fn, types = _gate_up_mma_sk_kernel, gate_types + ("*fp32", "*i32", "i32", "i32", "fp32", "i32", "i32",
                                                           "i32")
         const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True)
@@ -1058,7 +1058,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
     ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
     # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
-    weights = (2 if gate else 1) * 128 * ((prefetch if kernel != "gate_up_sk" else 1) if looped else steps)
+    weights = (2 if gate else 1) * 128 * (prefetch if looped else steps)
     return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": packed_asm_layout(ttgir),
             "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
             "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
