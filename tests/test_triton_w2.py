@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import moebox.ops.triton.w2_moe as w2_mod
-from moebox.ops.triton.w2_moe import (DEFAULT_CONFIG, SWEEP, DecodeConfig, default_config, expert_bytes,
-                                      layer_views, random_planes, random_routing, stack_planes, stream_k_grid,
-                                      w2_moe_decode, w2_moe_decode_reference)
+from moebox.ops.triton.w2_moe import (DEFAULT_CONFIG, SWEEP, DecodeConfig, expert_bytes, layer_views,
+                                      random_planes, random_routing, stack_planes, w2_moe_decode,
+                                      w2_moe_decode_reference)
 from moebox.quant.w2 import W2Tensor, from_float
 
 from tests.interpreter import check_in_interpreter
@@ -91,18 +91,12 @@ def test_stack_planes_and_layer_views_layout() -> None:
     assert expert_bytes(4096, 2048) == 7_077_888
 
 
-def test_config_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_checks() -> None:
     assert DEFAULT_CONFIG.variant == "mma"
     assert len({name for name, _ in SWEEP}) == len(SWEEP) and DEFAULT_CONFIG in {cfg for _, cfg in SWEEP}
-    for bad in (dict(variant="wgmma"), dict(gate_split=3), dict(down_split=0), dict(prefetch=3),
-                dict(variant="fma", stream_k=True), dict(stream_k_programs=-1)):
+    for bad in (dict(variant="wgmma"), dict(gate_split=3), dict(down_split=0), dict(prefetch=3)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
-    # the stream-K gate-up is an A/B switch for one token, off unless asked for
-    monkeypatch.delenv("MOEBOX_W2_STREAM_K", raising=False)
-    assert not any(default_config(n).stream_k for n in (1, 2, 8))
-    monkeypatch.setenv("MOEBOX_W2_STREAM_K", "1")
-    assert default_config(1).stream_k and not default_config(2).stream_k
 
 
 _INTERPRETER_SETUP = textwrap.dedent("""
@@ -164,12 +158,6 @@ _INTERPRETER_MMA = _INTERPRETER_SETUP + textwrap.dedent("""
          (256, 512, 5, 3, 1, None, torch.float32, DecodeConfig(gate_split=1, down_split=2, prefetch=1), 1e-5),
          (512, 256, 4, 2, 1, 0.05, torch.float16, DecodeConfig(gate_split=1, down_split=1, prefetch=2), 2e-3)])
     run_layer_views(256, 256, 1, default)
-    # the stream-K gate-up: 80 programs over 1 x 2 pairs x 16 row tiles x 3 K tiles = 96 units, so row tiles
-    # split in 3 and in 2 segments and programs that span two row tiles; every tile's count is 0 again after
-    from moebox.ops.triton.w2_moe import _stream_k_counts
-    run([(768, 256, 4, 2, 1, 10.0, torch.float32, DecodeConfig(down_split=2, stream_k=True, stream_k_programs=80),
-          1e-5)])
-    assert not _stream_k_counts(torch.device("cpu"), 32).any()
     print("RESULT " + json.dumps(results))
 """)
 
@@ -185,23 +173,6 @@ _INTERPRETER_FMA = _INTERPRETER_SETUP + textwrap.dedent("""
     run_layer_views(64, 32, 2, fma)
     print("RESULT " + json.dumps(results))
 """)
-
-
-def test_stream_k_grid_bounds_the_segments() -> None:
-    """Runs of units // programs or one more units (run q starts at q units // programs, as the kernel splits
-    them): no row tile of kt units meets more runs than the scratch's segments, and a tile's first run and run
-    count are what the kernel computes from its first and last unit."""
-    for units, kt, programs in ((96, 3, 80), (96, 3, 20), (12288, 16, 1056), (12288, 16, 1188), (49152, 16, 1056),
-                                (64, 16, 1000), (37, 5, 7)):
-        p, max_seg = stream_k_grid(units, kt, programs)
-        assert p == min(programs, units)
-        owner = [q for q in range(p) for _ in range(q * units // p, (q + 1) * units // p)]
-        assert len(owner) == units
-        for tile in range(units // kt):
-            runs = sorted(set(owner[tile * kt:(tile + 1) * kt]))
-            first = ((tile * kt + 1) * p + units - 1) // units - 1
-            last = ((tile * kt + kt) * p + units - 1) // units - 1
-            assert (first, last - first + 1) == (runs[0], len(runs)) and len(runs) <= max_seg
 
 
 def test_bench_entry_point_parses() -> None:
@@ -235,15 +206,11 @@ def test_fma_kernels_in_triton_interpreter() -> None:
 def test_mma_kernels_build_for_sm90() -> None:
     """Compile the mma kernels for sm_90 on this machine and check what the inline asm relies on."""
     from moebox.ops.triton.w2_moe import sass_report
-    layout = {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [DEFAULT_CONFIG.gate_split, 1],
-              "order": [1, 0]}
-    sk = sass_report("gate_up_sk", DEFAULT_CONFIG.gate_split, prefetch=1)
-    # the stream-K gate-up: the same asm layout, no spills, and registers for 16 warps an SM (what its grid assumes)
-    assert sk["asm_layout"] == layout and sk["spills"] == 0 and sk["registers"] <= 128, sk
     for kernel, split in (("gate_up", DEFAULT_CONFIG.gate_split), ("down", DEFAULT_CONFIG.down_split)):
         rep = sass_report(kernel, split, DEFAULT_CONFIG.prefetch)
         # the asm's 8-element packs must be one lane's 4 words x 2 rows, lanes 4 g + t as in mma.sync fragments
-        assert rep["asm_layout"] == {**layout, "warpsPerCTA": [split, 1]}, rep
+        assert rep["asm_layout"] == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4],
+                                     "warpsPerCTA": [split, 1], "order": [1, 0]}, rep
         assert rep["loop_converts"] == 0 and rep["spills"] == 0, rep
         assert rep["loop_ops"].get("HMMA", 0) == rep["weights_per_iter"] // 8, rep   # every mma in the loop
         assert rep["instructions_per_weight"] < 2.1, rep   # 1.66 (gate_up) and 1.88-1.92 (down) with Triton 3.6-3.9
@@ -391,15 +358,13 @@ def test_gpu_fp16_no_limit_odd_shape_and_layer_views() -> None:
         assert torch.isfinite(y).all() and rel_err(y, ref) < 1e-5, (cfg.variant, rel_err(y, ref))
 
 
-@pytest.mark.parametrize("variant", ["mma", "fma", "stream-k"])
+@pytest.mark.parametrize("variant", ["mma", "fma"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graph_replay(variant: str) -> None:
-    """The call captures in a CUDA graph; replays follow new routing written into the static inputs (stream-K:
-    its counts, zero again after each call, serve every replay)."""
+    """The call captures in a CUDA graph; replays follow new routing written into the static inputs."""
     from moebox.ops.triton.w2_moe import w2_moe_decode_triton
-    cfg = (replace(DEFAULT_CONFIG, stream_k=True) if variant == "stream-k"
-           else replace(DEFAULT_CONFIG, variant=variant))
+    cfg = replace(DEFAULT_CONFIG, variant=variant)
     hidden, inter, experts, k, n = SMALL["hidden"], SMALL["inter"], SMALL["experts"], SMALL["k"], 4
     planes = _gpu_planes(hidden, inter, experts)
     ids, w = random_routing(n, experts, k, device="cuda", seed=0)

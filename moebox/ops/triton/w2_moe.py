@@ -69,17 +69,6 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   registers, so 16 gate-up warps an SM instead of 15 and 3 down programs instead of 2), and one token takes
   down split 16 (`default_config`). Loading x/h with the codes, two steps ahead (instead of from L2 in the
   step) cost 36 / 84 more registers and lost 4-30% in the eighth session's sweep (docs/benchmarks.md).
-  Stream-K gate-up (`DecodeConfig.stream_k`, `_gate_up_mma_sk_kernel`; off by default, MOEBOX_W2_STREAM_K=1 turns
-  it on for one token; not measured yet): at N = 1 the grid above is 768 programs of 2 warps, ~11.6 warps an SM
-  where 128 registers allow 16, and ncu finds the kernel waiting on its loads (twenty-fourth session). Here the
-  pairs x row tiles x K tiles units (K fastest) go in equal runs to as many programs as fill the SMs with
-  STREAM_K_WARPS_PER_SM warps (one wave); a row tile whose K range is cut between programs is finished by the one
-  that adds to it last: each stores its [2, 8] gate / up sums in a scratch slot, then counts itself in the tile's
-  int32 count (an acq_rel atomic after a barrier); the last reads all the segments back from L2 in order (so
-  the result does not depend on who is last), resets the count to 0 (zero between calls: a CUDA graph replays
-  it) and writes h. Within a segment the next K tile's loads are issued before this one's math; a warp past the
-  segment's end multiplies zero x terms (exact zeros). h equals the default kernel's up to fp32 summation order.
-  sm_90 build (Triton 3.9): 104 registers, no spills.
   Tried and dropped (sixteenth session): register caps (maxnreg 96-104 for gate-up, 64 for down: 16-24 bytes of
   spills) lost at N = 1-16; at down split 16 (one token's default since) a cap of 64 (8 bytes spilled, two programs
   an SM, one wave) tied (twentieth session: 26.7 against 26.6 us a call); the right shifts as IMAD.HI
@@ -132,6 +121,11 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   not built. Also open: for verify steps whose tokens share experts, grouping the (token, expert) pairs by expert
   (the mma has 8 columns: up to 8/T tokens of one expert per unpack; random routing at N = 8 has ~44 distinct
   experts in 48 pairs, so the bench would not show it).
+  Also tried and dropped (thirty-first session, commit dd493a1 has the code): a stream-K gate-up for one token,
+  the (pair, row tile, K tile) units in equal runs over 16 warps' worth of programs an SM in one wave (the grid
+  above holds ~11.6), a row tile cut between programs finished by its last one from the others' partial sums:
+  32.9 against 26.6 us a call at N = 1, decode 4.97 against 4.80 ms at batch 1. More warps an SM barely help the
+  one-token call anyway: k = 8 (1 024 programs, ~15.5 warps an SM) streams 1 682 GB/s against k = 6's 1 595.
 
 Variant "fma" (CUDA cores, exact fp32): `_gate_up_kernel`, grid (N*k, I/ROWS), and `_down_kernel`, grid
 (N, H/ROWS), same split of the work; [ROWS, WORDS] int32 tiles, per word ~10 ops give a "big" bit (codes 0, 3)
@@ -157,7 +151,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -168,8 +161,7 @@ from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, interpreting,  # noqa: F401
-                                       loop_sass, num_sms, packed_asm_layout, pdl_args, pdl_start, tl, triton,
-                                       versions)
+                                       loop_sass, packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -177,9 +169,7 @@ class DecodeConfig:
     """Kernel variant and blocks (see the module doc). "mma": gate_split / down_split warps per program, each
     taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch: how many
     K steps ahead the code/scale loads run (1 or 2); selector_fma: the unpack's upper PRMT selectors moved by an f16x2
-    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`); stream_k: gate-up as stream-K
-    (`_gate_up_mma_sk_kernel`) over stream_k_programs programs (0: as many as fill the SMs with
-    STREAM_K_WARPS_PER_SM warps, one wave). "fma": ROWS output rows x WORDS
+    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`). "fma": ROWS output rows x WORDS
     code words per program and step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run
     "fma"."""
 
@@ -196,16 +186,12 @@ class DecodeConfig:
     down_split: int = 8
     prefetch: int = 1
     selector_fma: bool = False
-    stream_k: bool = False
-    stream_k_programs: int = 0
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
         if self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or any(v < 1 or v & (v - 1)
                                                                                      for v in pow2):
             raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, blocks powers of two")
-        if self.stream_k_programs < 0 or (self.stream_k and self.variant != "mma"):
-            raise ValueError(f"bad decode config {self}: stream_k is the mma gate-up's, programs >= 0")
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -218,11 +204,8 @@ MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
 
 def default_config(n: int) -> DecodeConfig:
     """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth and
-    twenty-fourth sessions). MOEBOX_W2_STREAM_K=1 gives one token the stream-K gate-up (an A/B switch, not
-    measured yet)."""
-    if n == 1:
-        return replace(BATCH1_CONFIG, stream_k=os.environ.get("MOEBOX_W2_STREAM_K") == "1")
-    return DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
+    twenty-fourth sessions)."""
+    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
 
 
 def expert_bytes(hidden: int, intermediate: int) -> int:
@@ -506,36 +489,6 @@ if HAVE_TRITON:
                 tl.load(w3c_ptr + c_row + wb), tl.load(w3s_ptr + s_row + wb // 2), wb)
 
     @triton.jit
-    def _gate_rows(xp_ptr, e, t, rw, c_expert_stride, s_expert_stride, g, rho, w, HW: tl.constexpr,
-                   TX: tl.constexpr, USE_ASM: tl.constexpr):
-        """Where a gate-up program's [16S, 16] tile reads, for row tile rw of expert e and token t: its code
-        words' and scale bytes' offsets in the planes (K tile 0) and its x pairs' addresses."""
-        r = 8 * rho + g
-        row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
-        c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
-        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
-            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
-            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
-        else:
-            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
-            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
-        return c_row, s_row, x_row
-
-    @triton.jit
-    def _store_h(hp_ptr, rw_ptr, p, rw, gate, up, limit, I: tl.constexpr, TH: tl.constexpr,
-                 HAS_LIMIT: tl.constexpr):
-        """Pair p's h rows 16 rw.. from their gate and up sums [2, 8] (rep, lane group): clamp, SiLU, product,
-        routing weight, stored as TH bf16 terms in the pair layout."""
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
-        IW: tl.constexpr = I // 16
-        r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + r_out: pair r_out // 2
-        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, r_out // 2) + r_out % 2, h,
-                          TH, IW * 16)
-
-    @triton.jit
     def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
@@ -548,8 +501,15 @@ if HAVE_TRITON:
         t = p // K
         e = tl.load(ids_ptr + p).to(tl.int64)
         g, sp, rho, w = _tile_coords(S)
-        c_row, s_row, x_row = _gate_rows(xp_ptr, e, t, rw, c_expert_stride, s_expert_stride, g, rho, w, HW, TX,
-                                         USE_ASM)
+        r = 8 * rho + g
+        row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
+        c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
+        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
+            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
+            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
+        else:
+            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
+            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
         LAST: tl.constexpr = HW // 16 - 1
         acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
         acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
@@ -574,85 +534,16 @@ if HAVE_TRITON:
                 d1, e1, d3, e3, db = n1, m1, n3, m3, nb
             else:
                 c1, s1, c3, s3, wb = n1, m1, n3, m3, nb
-        _store_h(hp_ptr, rw_ptr, p, rw, _reduce_tile(acc_g, TX, S, USE_ASM), _reduce_tile(acc_u, TX, S, USE_ASM),
-                 limit, I, TH, HAS_LIMIT)
-
-    @triton.jit
-    def _gate_up_mma_sk_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr, part_ptr,
-                               count_ptr, c_expert_stride, s_expert_stride, limit, UNITS, PROGRAMS, MAX_SEG,
-                               I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
-                               TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
-                               USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr, PDL: tl.constexpr):
-        """Gate-up as stream-K: the UNITS = pairs x I/16 row tiles x HW/16 K tiles units (K fastest) split into
-        PROGRAMS equal runs, one a program (its S warps taking every S-th unit of each run). A row tile whose K
-        range falls in several runs (its segments) is finished by the program that adds to it last: each stores
-        its [2, 8] gate / up sums in part [tile, segment], then counts itself in count[tile]; the last one sums
-        the segments in order (deterministic), resets the count to 0 and writes h."""
-        pdl_start(PDL)
-        pid = tl.program_id(0).to(tl.int64)
-        KT: tl.constexpr = HW // 16            # K tiles of a row tile
-        IW: tl.constexpr = I // 16             # row tiles of a pair
-        u = pid * UNITS // PROGRAMS
-        u_end = (pid + 1) * UNITS // PROGRAMS
-        g, sp, rho, w = _tile_coords(S)
-        j2 = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]     # a [2, 8] sum's slot in part
-        while u < u_end:
-            tile = u // KT
-            k0 = u - tile * KT
-            k1 = tl.minimum(u_end - tile * KT, KT)
-            p = tile // IW
-            rw = tile - p * IW
-            t = p // K
-            e = tl.load(ids_ptr + p).to(tl.int64)
-            c_row, s_row, x_row = _gate_rows(xp_ptr, e, t, rw, c_expert_stride, s_expert_stride, g, rho, w, HW,
-                                             TX, USE_ASM)
-            acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
-            acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
-            # warp s takes K tiles k0 + s, k0 + s + S, ... of the segment, the next one's loads issued before
-            # this one's math (clamped to the segment's last tile); a warp past k1 adds 0
-            c1, s1, c3, s3, wb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row,
-                                             tl.minimum(k0 + sp, k1 - 1), KT - 1)
-            for k in range(k0, k1, S):
-                ok = k + sp < k1
-                n1, m1, n3, m3, nb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row,
-                                                 tl.minimum(k + S + sp, k1 - 1), KT - 1)
-                if USE_ASM:   # zero x terms make the masked warps' products exactly 0
-                    x0, x1, x2, x3 = _b_fragments(x_row + wb * 8)
-                    x0, x1, x2, x3 = (tl.where(ok, x0, 0), tl.where(ok, x1, 0), tl.where(ok, x2, 0),
-                                      tl.where(ok, x3, 0))
-                    acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g, SELECTOR_FMA)
-                    acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u, SELECTOR_FMA)
-                else:
-                    acc_g += tl.where(ok, _plain_word_dot(c1, s1.to(tl.int32), x_row + wb * 8, TX, HW * 8), 0.0)
-                    acc_u += tl.where(ok, _plain_word_dot(c3, s3.to(tl.int32), x_row + wb * 8, TX, HW * 8), 0.0)
-                c1, s1, c3, s3, wb = n1, m1, n3, m3, nb
-            gate = _reduce_tile(acc_g, TX, S, USE_ASM)
-            up = _reduce_tile(acc_u, TX, S, USE_ASM)
-            # the programs whose runs hold this tile's first and last units (u_begin(q) = q UNITS // PROGRAMS)
-            first = ((tile * KT + 1) * PROGRAMS + UNITS - 1) // UNITS - 1
-            segments = ((tile * KT + KT) * PROGRAMS + UNITS - 1) // UNITS - first
-            finish = segments == 1
-            if segments > 1:
-                slot = part_ptr + (tile * MAX_SEG + pid - first) * 32 + j2
-                tl.store(slot, gate)
-                tl.store(slot + 16, up)
-                # every thread's stores before one thread's release of the count; the last program's loads
-                # after its acquire, from L2 (.cg: the other programs' stores are not in this SM's L1)
-                tl.debug_barrier()
-                done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                tl.debug_barrier()
-                finish = done == segments - 1
-                if finish:
-                    gate = tl.zeros((2, 8), dtype=tl.float32)
-                    up = tl.zeros((2, 8), dtype=tl.float32)
-                    for q in range(0, segments):
-                        src = part_ptr + (tile * MAX_SEG + q) * 32 + j2
-                        gate += tl.load(src, cache_modifier=".cg")
-                        up += tl.load(src + 16, cache_modifier=".cg")
-                    tl.store(count_ptr + tile, 0)
-            if finish:
-                _store_h(hp_ptr, rw_ptr, p, rw, gate, up, limit, I, TH, HAS_LIMIT)
-            u = tile * KT + k1
+        gate = _reduce_tile(acc_g, TX, S, USE_ASM)
+        up = _reduce_tile(acc_u, TX, S, USE_ASM)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
+        IW: tl.constexpr = I // 16
+        r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + r_out: pair r_out // 2
+        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, r_out // 2) + r_out % 2, h,
+                          TH, IW * 16)
 
     @triton.jit
     def _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride, t, u,
@@ -767,50 +658,17 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     use_asm = not interpreting()
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
-    lim = float(limit) if has_limit else 0.0
-    if cfg.stream_k:
-        tiles, kt = pairs * iw, hw // 16
-        programs, max_seg = stream_k_grid(tiles * kt, kt, cfg.stream_k_programs or
-                                          STREAM_K_WARPS_PER_SM // gate_split * num_sms(x.device))
-        part = torch.empty((tiles * max_seg * 32,), dtype=torch.float32, device=x.device)
-        _gate_up_mma_sk_kernel[(programs,)](
-            xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16), part, _stream_k_counts(x.device, tiles),
-            w1c.stride(0), w1s.stride(0), lim, tiles * kt, programs, max_seg,
-            I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, USE_ASM=use_asm,
-            SELECTOR_FMA=cfg.selector_fma, num_warps=gate_split, num_stages=1,
-            **pdl_args(x, _gate_up_mma_sk_kernel))
-    else:
-        _gate_up_mma_kernel[(pairs, iw)](
-            xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16), w1c.stride(0), w1s.stride(0), lim,
-            I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-            USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
-            num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
+    _gate_up_mma_kernel[(pairs, iw)](
+        xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
+        w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
+        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
+        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
+        num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
-
-
-STREAM_K_WARPS_PER_SM = 16   # 128 registers a thread (the stream-K kernel's sm_90 build: 104) fit 16 warps an SM
-_stream_k_counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and row-tile count
-
-
-def stream_k_grid(units: int, kt: int, programs: int) -> tuple[int, int]:
-    """(programs, the most segments a row tile of kt units can have) for `units` split into that many equal
-    runs (at most one a unit): a tile meets at most ceil((kt - 1) / shortest run) run boundaries."""
-    programs = max(1, min(programs, units))
-    return programs, -(-(kt - 1) // (units // programs)) + 1
-
-
-def _stream_k_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """The stream-K gate-up's per-tile counts: zero between calls (each tile's last program resets its own),
-    one set per device and tile count, kept for good (a captured CUDA graph holds its address); calls must not
-    run at the same time."""
-    key = (device, tiles)
-    if key not in _stream_k_counters:
-        _stream_k_counters[key] = torch.zeros(tiles, dtype=torch.int32, device=device)
-    return _stream_k_counters[key]
 
 
 def _empty_packed(x: torch.Tensor) -> torch.Tensor:
@@ -1032,33 +890,27 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
 def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
-    """Build one mma kernel ("gate_up", "gate_up_sk" (stream-K) or "down", V4-Flash constants, bf16 x) for sm_90
-    on any machine with Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what
-    it costs: the layout of the asm operands, layout conversions inside the K loop, registers and spill stack,
-    and the SASS of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA;
-    for "gate_up_sk" the longest loop is its loop over row tiles, the K loop inside it)."""
-    gate_types = ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16")
+    """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
+    Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
+    layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
+    of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
     if kernel == "gate_up":
-        fn, types = _gate_up_mma_kernel, gate_types + ("i32", "i32", "fp32")
-        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, PREFETCH=prefetch)
-    elif kernel == "gate_up_sk":   # its prefetch is 1 step
-        fn, types = _gate_up_mma_sk_kernel, gate_types + ("*fp32", "*i32", "i32", "i32", "fp32", "i32", "i32",
-                                                          "i32")
+        fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
+                                          "i32", "i32", "fp32")
         const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True)
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
-        const = dict(IW=128, K=6, TH=2, PREFETCH=prefetch)
-    const.update(S=split, USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
+        const = dict(IW=128, K=6, TH=2)
+    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
     sig = dict(zip(fn.arg_names, types))
     compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
                           num_stages=1)
     ttgir = compiled.asm["ttgir"]
-    gate = kernel.startswith("gate_up")
-    steps = (16 if gate else 48) // split   # K steps of a warp; a loop of <= prefetch unrolls
+    steps = (16 if kernel == "gate_up" else 48) // split   # K steps of a warp; a loop of <= prefetch unrolls
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
     ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
     # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
-    weights = (2 if gate else 1) * 128 * (prefetch if looped else steps)
+    weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if looped else steps)
     return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": packed_asm_layout(ttgir),
             "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
             "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
@@ -1068,11 +920,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
      for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
-    + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG), ("fma r16 w32 x^T", DecodeConfig(variant="fma"))]
-    # stream-K gate-up with one token's down split: 16 warps an SM, and 18 (its sm_90 build's 104 registers allow
-    # 19 warps an SM with Triton 3.9; the GPU's 3.6 is not checked)
-    + [(f"mma g2 d16 stream-k {name}", replace(BATCH1_CONFIG, stream_k=True, stream_k_programs=programs))
-       for name, programs in (("16w", 0), ("18w", 9 * 132))])
+    + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG), ("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16), hidden: int = 4096,
