@@ -98,16 +98,19 @@ def test_pick_config_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
             assert 1 <= cfg.split <= min(kb, MAX_SPLIT)
             per = -(-kb // cfg.split)
             assert -(-kb // per) == cfg.split            # every split has K steps
-            want = ("gemv", {1: 1, 2: 2}.get(n, 4)) if n <= 16 else ("dot", 64)
+            want = ("gemv", {1: 1, 2: 2}.get(n, 4)) if n <= 16 else ("dot", 128)
             assert (cfg.logits_kernel, cfg.block_n) == want
     for n in (1, 4, 8, 16):   # decode: all of fn requested at once by >= 128 programs (4 token tiles at N = 16)
         v4 = pick_config(n, 4, 4096, sms=132)
         assert v4.block_k == 128 and v4.split * -(-n // v4.block_n) >= 128 and v4.split == (64 if n == 16 else 128)
-    assert pick_config(2048, 4, 4096, sms=132).split * 32 >= 132   # prefill: about a wave
+    prefill = pick_config(2048, 4, 4096, sms=132)   # ~4 programs an SM, fp32-level tensor-core products
+    assert prefill.split * -(-2048 // prefill.block_n) >= 3 * 132 and prefill.precision == "tf32x3"
     assert resolve_config(HcConfig(split=1000), 1, 4, 4096).split == 128
     assert resolve_config(HcConfig(split=1000, logits_kernel="gemv"), 1, 4, 4096).split == 128
     with pytest.raises(ValueError):
         resolve_config(HcConfig(logits_kernel="tc"), 1, 4, 4096)
+    with pytest.raises(ValueError, match="precision"):
+        resolve_config(HcConfig(precision="tf32"), 1, 4, 4096)
     monkeypatch.setenv("MOEBOX_MHC_GEMV", "4")                # the A/B switch: the gemv up to 4 tokens
     assert [pick_config(n, 4, 4096).logits_kernel for n in (4, 5, 16)] == ["gemv", "dot", "dot"]
     monkeypatch.setenv("MOEBOX_MHC_GEMV", "four")
@@ -415,6 +418,7 @@ def test_gpu_prefill_forced_tilings_and_strides() -> None:
     from moebox.ops.triton.mhc import HcConfig
     _check_pre(2048, 4, 4096, torch.bfloat16)
     for cfg in (HcConfig(split=1), HcConfig(block_k=64, split=256), HcConfig(block_n=64, block_k=64, split=7),
+                HcConfig(block_n=128, block_k=32, split=9, num_stages=4, precision="tf32x3"),
                 HcConfig(block_n=16, block_k=256, num_warps=8, mix_warps=8),
                 HcConfig(block_k=32, split=100, mix_warps=2, block_h=128),
                 HcConfig(block_n=4, logits_kernel="gemv"),

@@ -16,8 +16,11 @@ hc_pre, X [N, hc, H] (fp32/bf16/fp16), fn [M, K] with K = hc*H, M = (2+hc)*hc (2
     in column M; M_PAD = next power of 2 > M, >= 16 for the dot): each partial written once, no atomics, no
     zeroing. Decode (N <= 16, when MOEBOX_MHC_GEMV leaves it this kernel): one 16-token tile (rows past N
     re-read row N-1, from L1) and one 128-column K step per program, SPLIT = K / 128 = 128 programs, so all of
-    fn is requested at once by ~one program per SM (fn is what a decode call must stream). Prefill: 64-token
-    tiles, SPLIT just enough for ~one wave.
+    fn is requested at once by ~one program per SM (fn is what a decode call must stream). Prefill: 128-token
+    tiles, 32-column K steps, ~4 programs an SM, and the dot as "tf32x3" (three TF32 tensor-core products of
+    split operands, fp32-level error: the same as "ieee" against the fp32 reference on the H200, where the
+    "ieee" dot is an FMA loop): 515 -> 57 us an hc_pre's kernel A at N = 2048 (thirty-first session; X 67 MB,
+    ~16 us at the copy rate; plain "tf32" was 8.8e-4 off, so not taken).
   Kernel A for N <= GEMV_MAX_N (16: all of decode), `_mix_logits_gemv_kernel`: the same partials on the CUDA
     cores, no tl.dot. A 16-token dot tile is mostly padding at small N (15/16 of it at N = 1) and the fp32
     "ieee" dot pays layout conversions besides (11.6 us an hc_pre at N = 1 on the H200, 7.1 with the gemv).
@@ -103,8 +106,9 @@ __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_sup
 @dataclass(frozen=True)
 class HcConfig:
     """hc_pre / hc_head tiling. Kernel A: BLOCK_N tokens x BLOCK_K columns of the flattened streams per step,
-    `split` programs along K (0 = automatic); logits_kernel "dot" (`_mix_logits_kernel`, tl.dot) or "gemv"
-    (`_mix_logits_gemv_kernel`, CUDA-core FMAs for a few tokens; num_stages unused). Kernel B: mix_warps
+    `split` programs along K (0 = automatic); logits_kernel "dot" (`_mix_logits_kernel`, tl.dot in `precision`:
+    "ieee" (FMA) or "tf32x3") or "gemv" (`_mix_logits_gemv_kernel`, CUDA-core FMAs for a few tokens; num_stages
+    and precision unused). Kernel B: mix_warps
     warps, BLOCK_H columns of H per program (0 = automatic: one 16-byte vector per thread, see `_block_h`)."""
 
     block_n: int = 16
@@ -115,6 +119,7 @@ class HcConfig:
     mix_warps: int = 4
     block_h: int = 0
     logits_kernel: str = "dot"
+    precision: str = "ieee"
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,8 @@ def _gemv_max_n() -> int:
 def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
     """The default hc_pre/hc_head tiling (split resolved): N <= GEMV_MAX_N (or MOEBOX_MHC_GEMV) the gemv logits
     kernel, tiles of up to GEMV_TILE_N tokens; other decode (N <= 16) one 16-token dot tile; both one K step
-    per program. Prefill 64-token tiles with >= 8 K steps per program, ~one wave of programs."""
+    per program. Prefill 128-token tiles of 32-column K steps in "tf32x3", >= 8 K steps a program, ~4 programs an
+    SM (split; the module doc has the times)."""
     if n <= _gemv_max_n():
         # BLOCK_K 128, 4 warps: a warp's lanes span the K step with one 16-byte fp32 vector each and the warps
         # split fn's rows, so a thread issues one 16-byte load per row it covers (M_PAD / 4), all at once, and
@@ -163,7 +169,7 @@ def pick_config(n: int, hc: int, hidden: int, sms: int = 132) -> HcConfig:
     elif n <= 16:
         cfg = HcConfig(block_n=16, block_k=128, num_warps=4, num_stages=3)
     else:
-        cfg = HcConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
+        cfg = HcConfig(block_n=128, block_k=32, num_warps=4, num_stages=4, precision="tf32x3")
     return resolve_config(cfg, n, hc, hidden, sms)
 
 
@@ -172,11 +178,13 @@ def resolve_config(cfg: HcConfig, n: int, hc: int, hidden: int, sms: int = 132) 
     split the same number of K steps (the last may be shorter); the same for either logits kernel."""
     if cfg.logits_kernel not in ("dot", "gemv"):
         raise ValueError(f"HcConfig.logits_kernel must be 'dot' or 'gemv', got {cfg.logits_kernel!r}")
+    if cfg.precision not in ("ieee", "tf32x3"):
+        raise ValueError(f"HcConfig.precision must be 'ieee' or 'tf32x3', got {cfg.precision!r}")
     kb = cdiv(hc * hidden, cfg.block_k)
     split = cfg.split
     if not split:
         tiles = cdiv(n, cfg.block_n)
-        split = min(kb, cdiv(2 * sms, tiles)) if n <= 16 else max(1, min(cdiv(sms, tiles), kb // 8))
+        split = min(kb, cdiv(2 * sms, tiles)) if n <= 16 else max(1, min(cdiv(4 * sms, tiles), kb // 8))
     split = max(1, min(split, kb, MAX_SPLIT))
     return replace(cfg, split=cdiv(kb, cdiv(kb, split)))
 
@@ -193,7 +201,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _mix_logits_kernel(x_ptr, fn_ptr, ws_ptr, N, K, M, K_PER_SPLIT, SPLIT, stride_xn, stride_fm,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
+                           PRECISION: tl.constexpr, PDL: tl.constexpr):
         """ws[n, s, :M] = X_flat[n, Ks] @ fn[:, Ks]^T, ws[n, s, M] = sum(X_flat[n, Ks]^2) for the K range Ks."""
         pdl_start(PDL)
         pid_n = tl.program_id(0)
@@ -213,7 +222,7 @@ if HAVE_TRITON:
             mk = kk < k1
             x = tl.load(x_rows + kk[None, :], mask=mk[None, :], other=0.0).to(tl.float32)
             w = tl.load(fn_cols + kk[:, None], mask=mk[:, None], other=0.0).to(tl.float32)
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
             sq += tl.sum(x * x, axis=1)
         _store_partials(ws_ptr, acc, sq[:, None], offs_n, offs_m, pid_s, N, M, SPLIT, M_PAD)
 
@@ -439,7 +448,8 @@ def _mix_logits(X: torch.Tensor, fn: torch.Tensor, m: int, cfg: HcConfig) -> tor
     if gemv:
         _mix_logits_gemv_kernel[grid](*args, **tile, **pdl_args(X, _mix_logits_gemv_kernel))
     else:
-        _mix_logits_kernel[grid](*args, **tile, num_stages=cfg.num_stages, **pdl_args(X, _mix_logits_kernel))
+        _mix_logits_kernel[grid](*args, **tile, PRECISION=cfg.precision, num_stages=cfg.num_stages,
+                                 **pdl_args(X, _mix_logits_kernel))
     return ws
 
 
