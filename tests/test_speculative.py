@@ -185,28 +185,37 @@ def demo_chat_prompts() -> tuple[object, list[list[int]]]:
     return model, chat_prompts(Tokenizer.from_file(str(model / "tokenizer.json")), records)
 
 
+# past the window (64) and many compressor windows (4 and 16) while drafting
+DEMO_GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def demo_plain(demo_chat_prompts) -> list[list[int]]:
+    """Plain greedy decoding of the demo prompts, the tokens every speculative run below must reproduce."""
+    model, prompts = demo_chat_prompts
+    return _generate(model, None, DEMO_GREEDY, prompts)[0]
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_tokens_equal_plain_decoding_on_the_trained_demo(demo_chat_prompts, k):
+def test_greedy_tokens_equal_plain_decoding_on_the_trained_demo(demo_chat_prompts, demo_plain, k):
     """Issue E on issue G's model: real drafts, mostly accepted and sometimes not, so both the accept path and
     the rollback of every cache a rejected draft touched are exercised on text the model knows."""
     model, prompts = demo_chat_prompts
-    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)   # past the window (64) and many
-    # compressor windows (4 and 16) while drafting
-    plain, _ = _generate(model, None, greedy, prompts)
-    spec, llm = _generate(model, {"num_speculative_tokens": k, "adaptive": False}, greedy, prompts)
-    assert spec == plain
+    spec, llm = _generate(model, {"num_speculative_tokens": k, "adaptive": False}, DEMO_GREEDY, prompts)
+    assert spec == demo_plain
     drafted, accepted = (c._value.get() for c in (llm.engine.metrics.spec_drafted, llm.engine.metrics.spec_accepted))
     print(f"\ndemo, k={k}: accepted {accepted:.0f} of {drafted:.0f} drafts")
     assert 0.3 * drafted < accepted < drafted               # both outcomes happen
 
 
-def test_the_shape_static_drafter_drafts_what_the_segment_drafter_does(demo_chat_prompts):
+def test_the_shape_static_drafter_drafts_what_the_segment_drafter_does(demo_chat_prompts, demo_plain):
     """The MTP block as a DecodeBatch (the CUDA default) and as per-sequence segments (the CPU default) draft the
-    same tokens on the trained demo: the same counts of drafted and accepted tokens, and plain decoding's output."""
+    same tokens on the trained demo: the same counts of drafted and accepted tokens, and plain decoding's output
+    (greedy tokens do not depend on max_tokens: the first 40 of the 64-token run)."""
     from moebox.runtime.speculative import MTPDrafter
     model, prompts = demo_chat_prompts
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    plain, _ = _generate(model, None, greedy, prompts)
+    plain = [p[:40] for p in demo_plain]
     counts = []
     for shape_static in (False, True):
         llm = LLM(model, kv_cache_dtype="model", max_num_seqs=4, progress=False,
