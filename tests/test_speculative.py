@@ -215,7 +215,7 @@ def test_the_shape_static_drafter_drafts_what_the_segment_drafter_does(demo_chat
     from moebox.runtime.speculative import MTPDrafter
     model, prompts = demo_chat_prompts
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    plain = [p[:40] for p in demo_plain]
+    plain = [p[:greedy.max_tokens] for p in demo_plain]
     counts = []
     for shape_static in (False, True):
         llm = LLM(model, kv_cache_dtype="model", max_num_seqs=4, progress=False,
