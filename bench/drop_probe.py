@@ -77,6 +77,14 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
         x, post, comb = cached("mix", (id(self), id(hc), X.shape[0]), lambda: hc_pre(
             X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
             coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials))""")],
+    # kernel B's x programs alone (the main stream's launch of hc_pre; the coefficients' side launch stays): x
+    # is then a cached random tensor of the site's shape
+    "mixx": [("moebox/ops/triton/mhc.py", """        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        with coeffs_branch:""", """        if "mixx" in DROP and X.is_cuda:
+            x = cached("mixx", (n, hidden), lambda: torch.randn_like(x))
+        else:
+            _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        with coeffs_branch:""")],
     "post": [_wrap("moebox/model/block.py", "        return ",
                    "hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)", "post",
                    "(id(self), id(hc), X.shape[0])")],
