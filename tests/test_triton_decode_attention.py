@@ -281,6 +281,24 @@ _INTERPRETER_CHECK = textwrap.dedent("""
                             finite=bool(torch.isfinite(got).all()),
                             rel=float((got - ref).abs().max() / ref.abs().max()), ref_norm=float(ref.norm()),
                             tol=1e-5))
+    # q as the raw product, normed and rotated by the kernel (`query`) against the reference of norm_rope(q):
+    # one and two splits, a strided q, a head padded in registers (d 48 -> 64), fp16
+    from moebox.ops.rope import norm_rope
+    for i, (d, rd, dt, cfg) in enumerate(((32, 16, f32, AttendConfig(block_k=16, split=2)),
+                                          (32, 32, f32, AttendConfig(block_k=16, split=1)),
+                                          (48, 8, f32, AttendConfig(block_k=16, split=2)),
+                                          (32, 16, f16, AttendConfig(block_k=16)))):
+        inp = tiny("csa", 3, 4, d, 16, 12, 4, dt, seed=40 + i, masked=(1,))
+        if i == 0:
+            inp["q"] = (torch.randn(3, 8, d) * 1.5)[:, ::2]
+        pos, inv = torch.tensor([5, 4093, 70000]), rope_inv_freq(rd, 10000.0, None)
+        out = torch.full_like(inp["q"], float("nan"))
+        got = attend_triton(**inp, out=out, config=cfg, query=(pos, inv, 1e-6))
+        ref = attend_reference(**dict(inp, q=norm_rope(inp["q"], None, 1e-6, pos, inv)))
+        results.append(dict(case=f"query d={d} rd={rd} {dt} {cfg}", same_buffer=got.data_ptr() == out.data_ptr(),
+                            finite=bool(torch.isfinite(got).all()),
+                            rel=float((got - ref).abs().max() / ref.abs().max()), ref_norm=float(ref.norm()),
+                            tol=tol[dt]))
     print("RESULT " + json.dumps(results))
 """)
 
@@ -304,6 +322,13 @@ def test_default_tiling_builds_for_sm90() -> None:
         assert rep["sass"].get("HMMA", 0) + rep["sass"].get("HGMMA", 0) > 0, rep
         assert rep["sass"].get("LDGSTS", 0) > 0 and rep["ptx_cp_async"] > 0, rep
         assert rep["ptx_ld_v4"] > 0, rep           # q in 16-byte loads
+    # batch 1's tiling with the raw queries normed and rotated in the kernel: still 16-byte q loads, the same
+    # registers give or take one; its only stack is libdevice's cos/sin slow path (huge angles)
+    from moebox.ops.triton.decode_attention import DECODE_CONFIG_1
+    for kind in ("csa", "hca4k"):
+        plain, raw = (sass_report(DECODE_CONFIG_1, batch=1, kind=kind, query_rd=rd) for rd in (0, 64))
+        assert raw["ptx_ld_v4"] >= plain["ptx_ld_v4"] > 0 and "LDG.E.U16" not in set(raw["sass"]) - set(plain["sass"])
+        assert raw["registers"] <= plain["registers"] + 1 and raw["spills"] <= 32, (plain, raw)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -385,6 +410,27 @@ def test_gpu_inverse_rope_in_the_combine(b: int, hold: str, monkeypatch: pytest.
     assert float((got.double() - ref.double()).norm() / ref.double().norm()) < 4e-3
 
 
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_raw_queries_normed_and_rotated_in_the_kernel(kind: str, b: int) -> None:
+    """`query`: the raw query product (bf16, not unit RMS) normed and rotated in the kernel, positions up to 64K,
+    against the fp32 reference of norm_rope(q) (query_rope's bf16 q), within one bf16 rounding; CSA's read before
+    the PDL wait (`query_early`)."""
+    from moebox.ops.rope import norm_rope, rope_inv_freq
+    from moebox.ops.triton.decode_attention import attend_triton
+    inp = _v4(kind, b, seed=50 + b)
+    raw = (inp["q"].float() * 3.0 + 0.5).to(inp["q"].dtype)
+    pos, inv = torch.randint(0, 65536, (b,), device="cuda"), rope_inv_freq(64, 10000.0, None).cuda()
+    out = torch.full_like(raw, float("nan"))
+    poison_allocator()
+    got = attend_triton(**dict(inp, q=raw), out=out, query=(pos, inv, 1e-6), query_early=kind == "csa")
+    ref = _fp32_reference(dict(inp, q=norm_rope(raw, None, 1e-6, pos, inv)))
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
+    assert float((got.double() - ref.double()).norm() / ref.double().norm()) < 4e-3
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_v4_hca_large_table_and_expanded_rows() -> None:
@@ -455,22 +501,26 @@ _MODEL_CHECK = textwrap.dedent("""
     cfg, model = tiny_model()
     import moebox.ops.triton.decode_attention as da
     real = da.attend_triton
-    kernel_calls = []                                    # the kernel's launches: with the inverse RoPE or not
-    da.attend_triton = lambda *a, **kw: kernel_calls.append(kw.get("rope") is not None) or real(*a, **kw)
+    kernel_calls = []           # the kernel's launches: with the inverse RoPE or not, the raw queries or not
+    da.attend_triton = lambda *a, **kw: kernel_calls.append(
+        (kw.get("rope") is not None, kw.get("query") is not None)) or real(*a, **kw)
     os.environ["MOEBOX_PREFILL_ATTENTION_KERNEL"] = "0"   # count the decode steps' launches only
     os.environ["MOEBOX_TOPK_KERNEL"] = "0"               # only the attention read differs (top-k: its own check)
     runs = {}
-    # two sequences, past entries of both ratios: the kernel, the kernel with the inverse RoPE in its combine
-    # (MOEBOX_ATTENTION_ROPE=1), the torch path
-    for flag, rope in (("1", "0"), ("1", "1"), ("0", "0")):
-        os.environ.update(MOEBOX_ATTENTION_KERNEL=flag, MOEBOX_ATTENTION_ROPE=rope)
-        runs[flag + rope] = tiny_decode_logits(model, cfg, 14, cache_len=96)
-    steps = 14 * cfg.num_layers
-    assert kernel_calls == [False] * steps + [True] * steps, kernel_calls
-    ref = runs["00"]
+    # two sequences, past entries of both ratios: the kernel (by default the raw queries of CSA layers normed and
+    # rotated in it and in the indexer's score kernel, the others' by query_rope first), the kernel with the
+    # inverse RoPE in its combine (MOEBOX_ATTENTION_ROPE=1) and every layer's raw queries in it
+    # (MOEBOX_QUERY_IN_ATTENTION=1), the torch path
+    for flag, rope, raw in (("1", "0", "csa"), ("1", "1", "1"), ("0", "0", "csa")):
+        os.environ.update(MOEBOX_ATTENTION_KERNEL=flag, MOEBOX_ATTENTION_ROPE=rope, MOEBOX_QUERY_IN_ATTENTION=raw)
+        runs[flag + rope + raw] = tiny_decode_logits(model, cfg, 14, cache_len=96)
+    assert {"csa", "hca"} <= set(cfg.attn_types), cfg.attn_types
+    assert kernel_calls == ([(False, kind == "csa") for kind in cfg.attn_types] * 14
+                            + [(True, True)] * (14 * cfg.num_layers)), kernel_calls
+    ref = runs["00csa"]
     print("RESULT " + json.dumps([{"case": run, "same_buffer": True, "finite": bool(got.isfinite().all()),
                                    "rel": ((got - ref).norm() / ref.norm()).item(), "ref_norm": ref.norm().item(),
-                                   "tol": 1e-5} for run, got in runs.items() if run != "00"]))
+                                   "tol": 1e-5} for run, got in runs.items() if run != "00csa"]))
 """)
 
 
@@ -479,5 +529,6 @@ _MODEL_CHECK = textwrap.dedent("""
 def test_the_model_decode_step_with_the_kernel_equals_the_torch_path() -> None:
     """Attention._decode takes the kernel where it applies (here: Triton's interpreter on CPU fp32, tiny model
     with sliding, CSA and HCA layers): 14 decode steps of two sequences give the torch path's logits, with the
-    inverse RoPE after the kernel and in its combine."""
+    inverse RoPE after the kernel and in its combine, the queries normed and rotated in the kernels that read
+    them and before them."""
     check_in_interpreter(_MODEL_CHECK)

@@ -74,6 +74,19 @@ _SCRIPT = textwrap.dedent("""
                             tol=1e-5 if dt == torch.float32 else 1e-3))
         assert got.data_ptr() == out.data_ptr()
 
+    # qi as the raw product, rotated by the kernel (`rope`) against the torch scores of apply_rope(qi): a rope
+    # part of the whole head and of its tail, a head padded in registers (24 -> 32)
+    from moebox.ops.rope import apply_rope, rope_inv_freq
+    for i, (b, h, d, e, rd, dt) in enumerate([(3, 4, 32, 37, 16, torch.float32), (2, 20, 24, 70, 24, torch.float32),
+                                              (1, 16, 32, 65, 8, torch.float16)]):
+        inp = case(b, h, d, e, b + 1, dt, seed=10 + i)
+        rope = (torch.tensor([7, 4093, 70000])[:b], rope_inv_freq(rd, 10000.0, None))
+        out = torch.full((b, e), float("nan"))
+        got = kernel.index_scores_triton(**inp, out=out, rope=rope)
+        want = reference(dict(inp, qi=apply_rope(inp["qi"], *rope)))
+        results.append(dict(case=[b, h, d, e, rd, str(dt), "rope"], **compare(got, want),
+                            tol=1e-5 if dt == torch.float32 else 1e-3))
+
     # the tiny model's decode steps: the kernel's scores against torch's (the top-k then picks the same rows)
     from tests.interpreter import count_calls, switch_result, tiny_model
     calls = count_calls(kernel, "index_scores_triton")
@@ -134,3 +147,19 @@ def test_gpu_v4_shapes_against_torch_and_in_a_graph(batch: int, entries: int) ->
     graph.replay()
     r = compare(got, want)
     assert r["same_buffer"] and r["finite"] and r["rel"] < 1e-5, r
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 16])
+def test_gpu_raw_qi_rotated_in_the_kernel(batch: int) -> None:
+    """`rope`: the raw qi rotated in the kernel (V4-Flash's 64 rope channels of 128, positions up to 64K) against
+    the torch scores of apply_rope(qi)."""
+    from moebox.ops.rope import apply_rope, rope_inv_freq
+    from moebox.ops.triton.index_scores import index_scores_triton
+    inp = case(batch, 64, 128, 1025, batch + 1, torch.bfloat16, seed=batch, device="cuda")
+    rope = (torch.randint(0, 65536, (batch,), device="cuda"), rope_inv_freq(64, 10000.0, None).cuda())
+    want = reference(dict(inp, qi=apply_rope(inp["qi"], *rope)))
+    out = torch.full((batch, 1025), float("nan"), device="cuda")
+    r = compare(index_scores_triton(**inp, out=out, rope=rope), want)
+    assert r["same_buffer"] and r["finite"] and r["rel"] < 1e-3, r

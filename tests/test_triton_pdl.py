@@ -40,7 +40,10 @@ def _launches() -> list[tuple[str, ast.Call]]:
 # the matrices, mHC's next fn slice, the router's gate rows).
 # The routed experts' down kernel also reads the expert ids: the routing wrote them before gate-up, the kernel
 # between, could start.
+# The decode attention kernel reads q with `query_early`: in CSA layers the indexer's two kernels run after q's
+# product, before it.
 READ_BEFORE_WAIT = {
+    "decode_attention.py:_attend_kernel": {"q_ptr", "qpos_ptr", "qinv_ptr"},
     "fp8_linear.py:_fp8_gemv_kernel": {"w_ptr", "s_ptr"},
     "fp8_mma.py:_fp8_mma_kernel": {"w_ptr", "s_ptr"},
     "mhc.py:_post_kernel": {"fn_ptr"},

@@ -41,9 +41,10 @@ def attention_kernel_takes(q: torch.Tensor, ring: object, entries: object) -> bo
     return isinstance(ring, torch.Tensor) and (entries is None or isinstance(entries, torch.Tensor))
 
 
-def attend_decode(q, ring, slot, visible, sink, scale, entries, rows, valid, rope) -> torch.Tensor:
+def attend_decode(q, ring, slot, visible, sink, scale, entries, rows, valid, rope, query=None,
+                  query_early=False) -> torch.Tensor:
     from moebox.ops.triton.decode_attention import attend_decode as kernel_or_torch
-    return kernel_or_torch(q, ring, slot, visible, sink, scale, entries, rows, valid, rope)
+    return kernel_or_torch(q, ring, slot, visible, sink, scale, entries, rows, valid, rope, query, query_early)
 
 
 class Compressor:
@@ -172,8 +173,11 @@ class Attention:
             else:
                 kv = self._keys(kv, pos)
         q, *index_q = self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
         qi = index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim) if self.indexer is not None else None
-        q, qi = query_rope(q.view(n, cfg.num_heads, cfg.head_dim), qi, pos, self.inv_freq, cfg.rms_norm_eps)
+        raw = decode and self._raw_queries(q, cache)
+        if not raw:
+            q, qi = query_rope(q, qi, pos, self.inv_freq, cfg.rms_norm_eps)
         idx = None
         if self.indexer is not None:
             if self.qat:
@@ -182,7 +186,7 @@ class Attention:
         keys_branch.join()
 
         if decode:   # the inverse RoPE applied
-            out = self._attend_decode(batch, q, idx, stored, cache)
+            out = self._attend_decode(batch, q, idx, stored, cache, raw)
         else:
             if cache is None and (t := batch.uniform_length()) is not None:
                 out = self._fresh(t, q, kv, comp, idx)
@@ -347,11 +351,24 @@ class Attention:
         return None, store_keys(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq, slot, cache.window,
                                 cfg.sliding_window, self._qat_nope_dim()), valid
 
+    def _raw_queries(self, q: torch.Tensor, cache: LayerCache | None) -> bool:
+        """Whether a decode step leaves its queries raw for the kernels that read them to norm and rotate
+        (`rope_tile`: q in the attention kernel, qi in the indexer's score kernel), one launch (`query_rope`)
+        fewer before them: in CSA layers (where the attention kernel reads q before its PDL wait, beside the
+        indexer's kernels) whose attention kernel takes the step and whose index vectors need no QAT rounding
+        after their rotation. MOEBOX_QUERY_IN_ATTENTION=0 / 1: in no layer / in every such layer."""
+        every_layer = os.environ.get("MOEBOX_QUERY_IN_ATTENTION", "csa") != "csa"
+        return (cache is not None and kernel_switched_on(q, "MOEBOX_QUERY_IN_ATTENTION")
+                and (every_layer or self.indexer is not None)
+                and attention_kernel_takes(q, cache.window, cache.entries if self.compressor else None)
+                and not (self.indexer is not None and self.qat))
+
     def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
-                       cache: LayerCache) -> torch.Tensor:
+                       cache: LayerCache, raw: bool) -> torch.Tensor:
         """The query half of a decode step: the indexer's top-k (CSA), then attention over the window and the
         selected (CSA) or all (HCA) entries, then the inverse RoPE; `stored` is what `_store_decode` returned.
-        The kernel path leaves the inverse RoPE to `attend_decode` (which can apply it in the kernel)."""
+        The kernel path leaves the inverse RoPE to `attend_decode` (which can apply it in the kernel). `raw`
+        (`_raw_queries`): q and qi are the products, normed and rotated by the kernels that read them."""
         cfg, slot, pos = self.cfg, batch.slots, batch.positions
         scale = cfg.head_dim ** -0.5
         keys, visible, valid = stored
@@ -359,11 +376,15 @@ class Attention:
         if self.compressor is not None:
             if self.indexer is not None:
                 qi, wi, _ = idx
-                rows, valid = index_select(qi, wi, self.index_scale, cache.index_keys, slot, valid, cfg.index_topk)
+                rows, valid = index_select(qi, wi, self.index_scale, cache.index_keys, slot, valid, cfg.index_topk,
+                                           rope=(pos, self.inv_freq) if raw else None)
             entries = cache.entries
         if keys is None:
+            # the indexer's kernels run between q's product and the attention kernel: q can be read early
             return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid,
-                                 (pos, self.inv_freq))
+                                 (pos, self.inv_freq), (pos, self.inv_freq, cfg.rms_norm_eps) if raw else None,
+                                 self.indexer is not None)
+        assert not raw, "raw queries go to the attention kernel, which reads the ring itself (keys None)"
         if entries is not None and rows is None:                  # HCA: every entry row
             rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
         return inverse_rope(attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid), pos,

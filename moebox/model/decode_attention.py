@@ -17,7 +17,7 @@ from moebox.ops.attention import sink_attention
 from moebox.ops.compress import pool
 from moebox.ops.fuse import fused
 from moebox.ops.qat import round_index_vectors, round_kv_nope
-from moebox.ops.rope import norm_rope
+from moebox.ops.rope import apply_rope, norm_rope
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
 
 
@@ -108,20 +108,27 @@ def _top_rows(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.
 
 
 def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor, slot: torch.Tensor,
-                 valid: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 valid: torch.Tensor, topk: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The lightning indexer: (entry rows [B, k], valid [B, k]) of the top-k scores. The top-k and the gather
     of `valid` are one Triton kernel (ops/triton/topk.py) for rows up to 16385 entries (64K tokens of context;
     6.4 against torch's 16.4 us a call at 4K on the H200, 29 against 78 at 64K), torch.topk for longer ones
     (not measured end to end there); MOEBOX_TOPK_KERNEL=0 / 1 takes torch / the kernel at any length. The
     scores are one Triton kernel (ops/triton/index_scores.py: 2.7-4.0 against torch's 10.9-22.3 us a call at
-    batch 1, 4K-64K, on the H200); MOEBOX_INDEX_KERNEL=0 takes the compiled torch function."""
+    batch 1, 4K-64K, on the H200); MOEBOX_INDEX_KERNEL=0 takes the compiled torch function. `rope` (positions,
+    inv_freq): qi is the raw product, rotated (`apply_rope`) by the score kernel where it fits, else first."""
     from moebox.ops.triton import index_scores as scorer
-    if kernel_switched_on(qi, "MOEBOX_INDEX_KERNEL") and scorer.supported(qi, wi, index_keys, slot, valid):
+
+    def torch_scores() -> torch.Tensor:
+        q = qi if rope is None else apply_rope(qi, rope[0], rope[1])
+        return index_scores(q, wi, scale, index_keys, slot, valid)
+    if (kernel_switched_on(qi, "MOEBOX_INDEX_KERNEL") and scorer.supported(qi, wi, index_keys, slot, valid)
+            and (rope is None or scorer.rope_tile_fits(qi, *rope))):
         scores = kernel_or_fallback("indexer scores", "MOEBOX_INDEX_KERNEL",
-                                    lambda: scorer.index_scores_triton(qi, wi, scale, index_keys, slot, valid),
-                                    lambda: index_scores(qi, wi, scale, index_keys, slot, valid))
+                                    lambda: scorer.index_scores_triton(qi, wi, scale, index_keys, slot, valid,
+                                                                       rope=rope), torch_scores)
     else:
-        scores = index_scores(qi, wi, scale, index_keys, slot, valid)
+        scores = torch_scores()
     k = min(topk, scores.shape[1])
     from moebox.ops.triton import topk as kernel
     if kernel_switched_on(scores, "MOEBOX_TOPK_KERNEL", default=scores.shape[1] <= kernel.DEFAULT_MAX_ENTRIES):

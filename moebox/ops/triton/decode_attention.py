@@ -30,7 +30,9 @@ Kernel 1, `_attend_kernel`, grid (B, SPLIT, head groups): program (b, s, g) take
   Precision: q and the keys enter the MMA in q's dtype (bf16/fp16 products are exact in fp32, accumulated in
   fp32: the reference's fp32 einsum up to summation order); p [HB, BLOCK_K] fp32 is split as p_hi + p_lo, both
   in the 16-bit dtype, and multiplied in two MMAs (a relative error ~2^-17 instead of bf16's 2^-9); fp32 q
-  uses fp32 "ieee" dots (a correctness path: at d = 512 it spills heavily). With SPLIT = 1 the program
+  uses fp32 "ieee" dots (a correctness path: at d = 512 it spills heavily). With `query` the program loads
+  the raw query product and norms and rotates its q block itself (`rope_tile` of ops/triton/rope.py: the
+  `query_rope` launch before the kernel goes). With SPLIT = 1 the program
   normalises and writes the output itself (one launch); otherwise it writes (acc, m, l) to fp32 partials
   [B, SPLIT, nh, d] / [B, SPLIT, nh].
 Kernel 2, `_combine_kernel`, grid (B, head blocks, d blocks): M = max_s m_s (>= the sink), L = sum_s l_s
@@ -88,6 +90,7 @@ from typing import Sequence
 
 import torch
 
+from moebox.ops.triton.rope import rope_tile, rope_tile_fits
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump,  # noqa: F401
                                        default_hold, env_count, graph_us, interpreting, kernel_or_fallback,
                                        kernel_switched_on, next_pow2, num_sms, pdl_args, pdl_start, plain_tensor,
@@ -195,25 +198,41 @@ if HAVE_TRITON:
         return acc, m_new, l
 
     @triton.jit
+    def _q_block(rows, mh, qpos, qinv_ptr, q_eps, D: tl.constexpr, D_PAD: tl.constexpr, Q_RD: tl.constexpr,
+                 PRECISE: tl.constexpr):
+        """The q block [HB, D_PAD] of the heads at rows ([HB, 1] pointers; mh: which exist): as stored, or with
+        Q_RD > 0 normed and rotated from the raw product at position *qpos."""
+        if Q_RD:
+            return rope_tile(rows, mh, qinv_ptr, tl.load(qpos).to(tl.float32), q_eps, D, D_PAD, Q_RD, True, PRECISE)
+        cols = tl.arange(0, D_PAD)
+        return tl.load(rows + cols[None, :], mask=mh[:, None] & (cols < D)[None, :], other=0.0)
+
+    @triton.jit
     def _attend_kernel(q_ptr, ring_ptr, slot_ptr, wvis_ptr, ent_ptr, rows_ptr, valid_ptr, sink_ptr,
-                       out_ptr, po_ptr, pm_ptr, pl_ptr,
-                       NH, R, KE, NW, NT, TILES_PER_SPLIT, NSPLIT, scale,
+                       out_ptr, po_ptr, pm_ptr, pl_ptr, qpos_ptr, qinv_ptr,
+                       NH, R, KE, NW, NT, TILES_PER_SPLIT, NSPLIT, scale, q_eps,
                        s_qb, s_qh, s_rs, s_rr, s_wb, s_es, s_er, s_rowb, s_vb, s_ob, s_oh,
                        D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, D_PAD: tl.constexpr,
-                       HAS_ENT: tl.constexpr,
-                       ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr, PDL: tl.constexpr):
+                       HAS_ENT: tl.constexpr, ALL_ROWS: tl.constexpr, SPLIT_P: tl.constexpr, FINAL: tl.constexpr,
+                       Q_RD: tl.constexpr, Q_EARLY: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, g): sequence b, heads [g*HB, (g+1)*HB), key tiles [s*TPS, (s+1)*TPS) of the NT tiles
-        (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials."""
-        pdl_start(PDL)
+        (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials. Q_RD > 0:
+        q is the raw product, normed and its trailing Q_RD channels rotated here (`rope_tile`). Q_EARLY: q is
+        read before the PDL wait (the caller's word that its producer ran two launches back or more)."""
         b = tl.program_id(0).to(tl.int64)
-        sp = tl.program_id(1)
         offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
+        mh = offs_h < NH
+        if Q_EARLY:
+            q = _q_block(q_ptr + b * s_qb + offs_h[:, None] * s_qh, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD,
+                         Q_RD, PRECISE)
+        pdl_start(PDL)
+        if not Q_EARLY:
+            q = _q_block(q_ptr + b * s_qb + offs_h[:, None] * s_qh, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD,
+                         Q_RD, PRECISE)
+        sp = tl.program_id(1)
         offs_d = tl.arange(0, D_PAD)
         offs_k = tl.arange(0, BLOCK_K)
-        mh = offs_h < NH
         md = offs_d < D
-        q = tl.load(q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :], mask=mh[:, None] & md[None, :],
-                    other=0.0)
         sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
         m = sink
         l = tl.zeros([HB], dtype=tl.float32)
@@ -373,7 +392,9 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
                   sink: torch.Tensor, scale: float, entries: torch.Tensor | None = None,
                   rows: torch.Tensor | None = None, valid: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None, config: AttendConfig | None = None,
-                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  query: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  query_early: bool = False) -> torch.Tensor:
     """Sink attention of q [B, nh, d] over each sequence's window ring rows ring[slot] (masked by
     window_visible [B, R]) plus, when `entries` is given, the rows `rows` [B, k] / [1, k] (None: all E rows) of
     entries[slot] masked by `valid` [B, k]: what `attend_reference` computes, without materialising the keys.
@@ -384,8 +405,12 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     (`PDL_HOLD`; MOEBOX_COMBINE_HOLD=0: at its start, as every other kernel): with the rotation in the combine
     and an early launch a batch-1 V4-Flash step lost 0.4 ms, the two output products after it slower by 2-6 us a
     layer, as their programs, launched at the combine's start, waited beside it; held, the step gained 0.05 ms
-    at batch 1 and 0.1 at 8 (docs/benchmarks.md, twenty-first and twenty-second sessions). Runs on CUDA, or on
-    CPU tensors under TRITON_INTERPRET=1; raises ValueError where `supported` is False."""
+    at batch 1 and 0.1 at 8 (docs/benchmarks.md, twenty-first and twenty-second sessions). `query` = (positions
+    [B], inv_freq [rq / 2], eps): q is the raw query product and the kernel takes `norm_rope(q, None, eps,
+    positions, inv_freq)` itself (`query_rope`'s q, one launch fewer before it; d - rq even). `query_early`: the
+    kernel reads q (and its positions) before its PDL wait, over the kernel before it: only where q's producer
+    ran two launches back or more on the stream (CSA: the indexer's score and top-k kernels between). Runs on
+    CUDA, or on CPU tensors under TRITON_INTERPRET=1; raises ValueError where `supported` is False."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     if not supported(q, ring, slot, window_visible, sink, entries, rows, valid):
@@ -395,6 +420,10 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
     b, nh, d = q.shape
     if rope is not None and (tuple(rope[0].shape) != (b,) or 2 * rope[1].numel() > d):
         raise ValueError(f"rope: positions must be [{b}] and inv_freq at most {d // 2} long")
+    q_rd = 0 if query is None else 2 * query[1].numel()
+    if query is not None and not rope_tile_fits(q, query[0], query[1]):
+        raise ValueError(f"query: positions must be [{b}] and inv_freq at most {d // 2} long with {d} - its "
+                         f"double even, got {tuple(query[0].shape)} and {query[1].numel()}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif tuple(out.shape) != (b, nh, d) or out.dtype != q.dtype or out.device != q.device or out.stride(2) != 1:
@@ -430,13 +459,16 @@ def attend_triton(q: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor, windo
         po = torch.empty((b, cfg.split, nh, d), dtype=torch.float32, device=q.device)
         pm = torch.empty((b, cfg.split, nh), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
+    qpos, qinv, q_eps = (slot, sink, 0.0) if query is None else (query[0].contiguous(),
+                                                                  query[1].float().contiguous(), float(query[2]))
     _attend_kernel[(b, cfg.split, cdiv(nh, hb))](
-        q, ring, slot, wvis, ent, rws, vmask, sink, out, po, pm, pl,
-        nh, r, ke, nw, nw + ne, tps, cfg.split, float(scale),
+        q, ring, slot, wvis, ent, rws, vmask, sink, out, po, pm, pl, qpos, qinv,
+        nh, r, ke, nw, nw + ne, tps, cfg.split, float(scale), q_eps,
         q.stride(0), q.stride(1), ring.stride(0), ring.stride(1), wvis.stride(0), s_es, s_er, s_rowb, s_vb,
         out.stride(0), out.stride(1),
         D=d, HB=hb, BLOCK_K=cfg.block_k, D_PAD=d_pad, HAS_ENT=has_ent, ALL_ROWS=all_rows,
-        SPLIT_P=q.dtype != torch.float32, FINAL=final, num_warps=cfg.num_warps,
+        SPLIT_P=q.dtype != torch.float32, FINAL=final, Q_RD=q_rd, Q_EARLY=query_early, PRECISE=q.is_cuda,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(q, _attend_kernel))
     if not final:
         chb = max(1, min(next_pow2(cfg.combine_heads), next_pow2(nh)))
@@ -479,23 +511,34 @@ def rope_in_combine(batch: int) -> bool:
 def attend_decode(q: torch.Tensor, ring, slot: torch.Tensor, window_visible: torch.Tensor, sink: torch.Tensor,
                   scale: float, entries=None, rows: torch.Tensor | None = None,
                   valid: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  ) -> torch.Tensor:
+                  query: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  query_early: bool = False) -> torch.Tensor:
     """The dispatch the model uses: `attend_triton` where `supported` (and where it builds), else
     `attend_reference`; with `rope` the output rotated back (`apply_rope(..., inverse=True)`): inside the
     kernel's combine where `rope_in_combine` says (MOEBOX_ATTENTION_ROPE=0 / 1: never / always), else after
-    it."""
+    it. `query` (positions, inv_freq, eps): q is the raw query product, normed and rotated (`norm_rope` without
+    weight) by the kernel where it fits (`rope_tile_fits`), else first; `query_early`: `attend_triton`'s, unless
+    MOEBOX_QUERY_EARLY=0."""
     def unrope(out: torch.Tensor) -> torch.Tensor:
         from moebox.ops.rope import inverse_rope
         return out if rope is None else inverse_rope(out, rope[0], rope[1])
 
+    def queries() -> torch.Tensor:
+        from moebox.ops.rope import norm_rope
+        return q if query is None else norm_rope(q, None, query[2], query[0], query[1])
+
     def torch_path() -> torch.Tensor:
-        return unrope(attend_reference(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
+        return unrope(attend_reference(queries(), ring, slot, window_visible, sink, scale, entries, rows, valid))
 
     def kernel() -> torch.Tensor:
+        fits = query is not None and rope_tile_fits(q, query[0], query[1])
+        qk, fused = (q, query) if fits else (queries(), None)
+        args = (qk, ring, slot, window_visible, sink, scale, entries, rows, valid)
+        early = query_early and kernel_switched_on(q, "MOEBOX_QUERY_EARLY")
         if rope is not None and kernel_switched_on(q, "MOEBOX_ATTENTION_ROPE",
                                                    default=rope_in_combine(q.shape[0])):
-            return attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid, rope=rope)
-        return unrope(attend_triton(q, ring, slot, window_visible, sink, scale, entries, rows, valid))
+            return attend_triton(*args, rope=rope, query=fused, query_early=early)
+        return unrope(attend_triton(*args, query=fused, query_early=early))
     if supported(q, ring, slot, window_visible, sink, entries, rows, valid):
         return kernel_or_fallback("decode attention", "MOEBOX_ATTENTION_KERNEL", kernel, torch_path)
     return torch_path()
@@ -550,12 +593,13 @@ def random_inputs(batch: int, nh: int = 64, d: int = 512, ring_rows: int = 130, 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
 def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: str = "csa",
-                dtype: torch.dtype = torch.bfloat16) -> dict:
+                dtype: torch.dtype = torch.bfloat16, query_rd: int = 0) -> dict:
     """Build `_attend_kernel` for sm_90 at the V4-Flash shape (nh 64, d 512, R 130, k 512 of 4097 rows, or
     HCA / sliding) on any machine with Triton's NVIDIA backend (no GPU needed), specialised as a real launch
     would be (integers divisible by 16 marked so), and report registers, spill stack, shared memory, and the
     SASS counts that matter: HMMA/HGMMA (tensor cores), LDGSTS (cp.async: the key tiles pipelined),
-    16-byte vs 2-byte global loads, local-memory traffic."""
+    16-byte vs 2-byte global loads, local-memory traffic. `query_rd`: q normed and rotated in the kernel
+    (`attend_triton`'s `query`, V4's 64 rope channels)."""
     import collections
     import re
 
@@ -566,14 +610,17 @@ def sass_report(config: AttendConfig = DEFAULT_CONFIG, batch: int = 16, kind: st
     cfg = resolve_config(config, batch, nh, nw + ne)
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     ptrs = dict(q_ptr=ty, ring_ptr=ty, slot_ptr="i64", wvis_ptr="u8", ent_ptr=ty, rows_ptr="i64", valid_ptr="u8",
-                sink_ptr="fp32", out_ptr=ty, po_ptr="fp32", pm_ptr="fp32", pl_ptr="fp32")
+                sink_ptr="fp32", out_ptr=ty, po_ptr="fp32", pm_ptr="fp32", pl_ptr="fp32", qpos_ptr="i64",
+                qinv_ptr="fp32")
     ints = dict(NH=nh, R=ring_rows, KE=ke, NW=nw, NT=nw + ne, TILES_PER_SPLIT=cdiv(nw + ne, cfg.split),
                 NSPLIT=cfg.split, s_qb=nh * d, s_qh=d, s_rs=ring_rows * d, s_rr=d, s_wb=ring_rows,
                 s_es=max(table_rows, 1) * d, s_er=d, s_rowb=ke, s_vb=ke, s_ob=nh * d, s_oh=d)
     const = dict(D=d, HB=cfg.heads, BLOCK_K=cfg.block_k, D_PAD=next_pow2(d), HAS_ENT=kind != "sliding",
-                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, PDL=False)
+                 ALL_ROWS=kind != "csa", SPLIT_P=dtype != torch.float32, FINAL=cfg.split == 1, Q_RD=query_rd,
+                 Q_EARLY=False, PRECISE=True, PDL=False)
     names = _attend_kernel.arg_names
-    sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a == "scale" else "i32" for a in names if a not in const}
+    sig = {a: "*" + ptrs[a] if a in ptrs else "fp32" if a in ("scale", "q_eps") else "i32" for a in names
+           if a not in const}
     aligned = [a for a in names if a in ptrs or (a in ints and ints[a] % 16 == 0)]
     compiled = build_sm90(_attend_kernel, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     dump = cubin_dump(compiled.asm["cubin"])

@@ -18,7 +18,8 @@ its BLOCK_E entries (invalid ones are not read: an unwritten row may hold anythi
 s = qi K^T [H, BLOCK_E] with tl.dot (q's dtype, fp32 accumulation: bf16 / fp16 products are exact in fp32, so
 only the summation order differs from the reference's fp32 einsum; fp32 inputs use "ieee" FMA), then the
 relu, the head weights and the sum over heads in registers. H and dI are padded to powers of two >= 16 (the
-MMA's smallest tile) with masks.
+MMA's smallest tile) with masks. With `rope` the kernel loads the raw qi and rotates it (`rope_tile`), which
+spares a decode step the `query_rope` launch before it.
 
 Bounds (`supported`): qi [B, H, dI] bf16/fp16/fp32 with unit stride on dI, wi [B, H] float, index_keys a plain
 [S, E, dI] tensor of qi's dtype with unit stride on dI (not the FP8 cache's row objects), slot [B] int32/int64,
@@ -32,15 +33,18 @@ from __future__ import annotations
 
 import torch
 
+from moebox.ops.triton.rope import rope_tile, rope_tile_fits
 from moebox.ops.triton.runtime import HAVE_TRITON, cdiv, next_pow2, pdl_args, pdl_start, plain_tensor, tl, triton
 
 BLOCK_E = 64   # entries a program: 16 programs a sequence at 4K context, 256 at 64K
 
 if HAVE_TRITON:
     @triton.jit
-    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, v_ptr, out_ptr, scale, H, E, D,
+    def _index_scores_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, v_ptr, out_ptr, pos_ptr, inv_ptr, scale, H, E, D,
                              stride_qb, stride_qh, stride_wb, stride_ks, stride_ke, stride_vb, stride_ob,
-                             H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                             H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RD: tl.constexpr,
+                             PRECISE: tl.constexpr, PDL: tl.constexpr):
+        """RD > 0: qi is the raw product, its trailing RD channels rotated here (`rope_tile`)."""
         pdl_start(PDL)
         b = tl.program_id(0)
         offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -49,8 +53,12 @@ if HAVE_TRITON:
         mh = offs_h < H
         md = offs_d < D
         valid = tl.load(v_ptr + b * stride_vb + offs_e, mask=offs_e < E, other=0) != 0
-        q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-                    mask=mh[:, None] & md[None, :], other=0.0)
+        if RD:
+            q = rope_tile(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh, mh, inv_ptr,
+                          tl.load(pos_ptr + b).to(tl.float32), 0.0, D, D_PAD, RD, False, PRECISE)
+        else:
+            q = tl.load(q_ptr + b * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+                        mask=mh[:, None] & md[None, :], other=0.0)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         k = tl.load(k_ptr + slot * stride_ks + offs_e.to(tl.int64)[:, None] * stride_ke + offs_d[None, :],
                     mask=valid[:, None] & md[None, :], other=0.0)
@@ -79,13 +87,17 @@ def supported(qi: torch.Tensor, wi: torch.Tensor, index_keys: object, slot: torc
 
 
 def index_scores_triton(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: torch.Tensor,
-                        slot: torch.Tensor, valid: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The scores [B, E] fp32 (or filled into `out`, every element written); arguments as `supported` says."""
-    if not supported(qi, wi, index_keys, slot, valid):
+                        slot: torch.Tensor, valid: torch.Tensor, out: torch.Tensor | None = None,
+                        rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The scores [B, E] fp32 (or filled into `out`, every element written); arguments as `supported` says.
+    `rope` = (positions [B], inv_freq): qi is the raw product and the kernel scores `apply_rope(qi, positions,
+    inv_freq)` (`query_rope`'s qi; `rope_tile_fits` must hold)."""
+    if not supported(qi, wi, index_keys, slot, valid) or (rope is not None and not rope_tile_fits(qi, *rope)):
         raise ValueError("index_scores_triton: unsupported arguments (see the module doc's Bounds): qi "
                          f"{tuple(qi.shape)} {qi.dtype}, wi {tuple(wi.shape)}, keys "
                          f"{getattr(index_keys, 'shape', None)} {getattr(index_keys, 'dtype', None)}, slot "
-                         f"{tuple(slot.shape)}, valid {tuple(valid.shape)}")
+                         f"{tuple(slot.shape)}, valid {tuple(valid.shape)}, rope "
+                         f"{None if rope is None else (tuple(rope[0].shape), rope[1].numel())}")
     b, h, d = qi.shape
     e = index_keys.shape[1]
     if out is None:
@@ -96,10 +108,12 @@ def index_scores_triton(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_
         return out
     v = valid if valid.stride(1) == 1 else valid.contiguous()
     wi = wi if wi.stride(1) == 1 else wi.contiguous()
+    pos, inv = (slot, wi) if rope is None else (rope[0].contiguous(), rope[1].float().contiguous())
     _index_scores_kernel[(b, cdiv(e, BLOCK_E))](
-        qi, wi, index_keys, slot, v.view(torch.uint8), out, float(scale), h, e, d,
+        qi, wi, index_keys, slot, v.view(torch.uint8), out, pos, inv, float(scale), h, e, d,
         qi.stride(0), qi.stride(1), wi.stride(0), index_keys.stride(0), index_keys.stride(1), v.stride(0),
-        out.stride(0), H_PAD=max(16, next_pow2(h)), D_PAD=max(16, next_pow2(d)), BLOCK_E=BLOCK_E, num_warps=4,
+        out.stride(0), H_PAD=max(16, next_pow2(h)), D_PAD=max(16, next_pow2(d)), BLOCK_E=BLOCK_E,
+        RD=0 if rope is None else 2 * rope[1].numel(), PRECISE=qi.is_cuda, num_warps=4,
         **pdl_args(qi, _index_scores_kernel))
     return out
 

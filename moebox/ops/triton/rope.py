@@ -18,6 +18,13 @@ off, cos/sin libdevice's (full range reduction; the interpreter: numpy): results
 only by the order of the sum of squares and the last bit of rsqrt and cos/sin, i.e. by an ulp (of a normed
 value, then of the rotation) where a value sits at a rounding midpoint.
 
+`rope_tile` is the same norm and rotation for a kernel that reads the queries: the decode attention kernel
+(q) and the indexer's score kernel (qi) take the raw products and rotate them as they load them, so a CSA
+layer's decode step has no `query_rope` launch (`Attention._raw_queries`). On the H200 (thirty-second session,
+docs/benchmarks.md) that gained 0.02-0.03 ms a step at batch 1 and 2, with the attention kernel's rotation read
+before its PDL wait, beside the indexer's kernels; in the other layers the rotation sits on the critical path
+and cost about what the launch did (every layer: batch 1 4.81-4.82 ms against 4.81-4.82 without).
+
 Bounds: q [N, Hq, Dq] and qi [N, Hi, Di] (or None) fp32/bf16/fp16 with unit column stride and any token / head
 strides (column slices of one product's rows are read in place); positions [N] int; inv_freq [RD/2] fp32,
 RD <= Dq and Di; weight None or [Dq]. `moebox.ops.rope.query_rope` takes this path for CUDA decode-size
@@ -77,6 +84,35 @@ if HAVE_TRITON:
         tl.store(dst + rc, rot.to(x.dtype), mask=rm)
 
     @triton.jit
+    def rope_tile(rows, hm, inv_ptr, pos, eps, D, D_PAD: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr,
+                  PRECISE: tl.constexpr):
+        """A consumer's own query heads, as `query_rope` would have written them: rows [BH, 1] pointers to the
+        heads' first columns (unit column stride), hm [BH] the heads that exist -> [BH, D_PAD] in their dtype
+        (columns past D and missing heads 0): (NORM: RMSNorm without weight, rounded, then) the trailing RD
+        channels rotated by pos * inv_freq in pairs, rounded. The pairs are the even/odd columns (D - RD even),
+        split from one row load (in-thread: a thread's columns are contiguous) so cos/sin are taken once a
+        pair. FMA contraction is the caller's (`_rope_heads` turns it off): results may differ from `query_rope`
+        by an ulp of the rotation."""
+        BH: tl.constexpr = hm.shape[0]
+        cols = tl.arange(0, D_PAD)
+        x = tl.load(rows + cols[None, :], mask=hm[:, None] & (cols < D)[None, :], other=0.0)
+        a, b = tl.split(tl.reshape(x, (BH, D_PAD // 2, 2)))
+        i = tl.arange(0, D_PAD // 2)
+        c = 2 * i
+        if NORM:
+            af, bf = a.to(tl.float32), b.to(tl.float32)
+            rstd = tl.rsqrt((tl.sum(af * af, axis=1) + tl.sum(bf * bf, axis=1)) / D + eps)[:, None]
+            a, b = (af * rstd).to(a.dtype), (bf * rstd).to(b.dtype)
+        j = i - (D - RD) // 2
+        rot = (j >= 0) & (c < D)
+        f = pos * tl.load(inv_ptr + j, mask=rot, other=0.0)
+        cos, sin = device_cos(f, PRECISE)[None, :], device_sin(f, PRECISE)[None, :]
+        af, bf = a.to(tl.float32), b.to(tl.float32)
+        a2 = tl.where(rot[None, :], (af * cos - bf * sin).to(a.dtype), a)
+        b2 = tl.where(rot[None, :], (bf * cos + af * sin).to(b.dtype), b)
+        return tl.reshape(tl.join(a2, b2), (BH, D_PAD))
+
+    @triton.jit
     def _query_rope_kernel(q_ptr, qo_ptr, w_ptr, qi_ptr, qio_ptr, pos_ptr, inv_ptr, HQ, HI, NQB, sq_n, sq_h,
                            si_n, si_h, eps, DQ: tl.constexpr, DQ_PAD: tl.constexpr, BHQ: tl.constexpr,
                            DI: tl.constexpr, DI_PAD: tl.constexpr, BHI: tl.constexpr, RD: tl.constexpr,
@@ -118,6 +154,16 @@ if HAVE_TRITON:
         kpos = pos - ((pos - i) % R + R) % R
         visible = (kpos > pos - window) & (kpos >= 0)
         tl.store(vis_ptr + n * R + i, visible.to(tl.uint8), mask=i < R)
+else:
+    rope_tile = None
+
+
+def rope_tile_fits(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> bool:
+    """Whether a consumer kernel can rotate the heads of x [B, H, D] itself with `rope_tile`: positions [B] and
+    inv_freq on x's device, 2 * len(inv_freq) = RD <= D with D - RD even (its pairs are even/odd columns)."""
+    rd = 2 * inv_freq.numel()
+    return (x.dim() == 3 and tuple(positions.shape) == (x.shape[0],) and 0 < rd <= x.shape[2]
+            and (x.shape[2] - rd) % 2 == 0 and positions.device == inv_freq.device == x.device)
 
 
 def _heads(t: torch.Tensor, rd: int, name: str) -> torch.Tensor:
