@@ -23,7 +23,7 @@ value, then of the rotation) where a value sits at a rounding midpoint.
 layer's decode step has no `query_rope` launch (`Attention._raw_queries`). On the H200 (thirty-second session,
 docs/benchmarks.md) that gained 0.02-0.03 ms a step at batch 1 and 2, with the attention kernel's rotation read
 before its PDL wait, beside the indexer's kernels; in the other layers the rotation sits on the critical path
-and cost about what the launch did (every layer: batch 1 4.81-4.82 ms against 4.81-4.82 without).
+and cost about what the launch did (every layer: batch 1 4.80-4.82 ms against 4.81-4.82 without).
 
 Bounds: q [N, Hq, Dq] and qi [N, Hi, Di] (or None) fp32/bf16/fp16 with unit column stride and any token / head
 strides (column slices of one product's rows are read in place); positions [N] int; inv_freq [RD/2] fp32,
