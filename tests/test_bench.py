@@ -209,7 +209,8 @@ cfg, model = tiny_model()
 cache = model.new_cache(2, 64, "cpu")
 for _ in range(2):
     model.forward(_step_batch(cfg, 2, 8, "cpu"), cache)
-print(len(calls), cfg.num_layers)
+import moebox.drop as drop
+print(len(calls), cfg.num_layers, drop.SITE[0])
 """
 
 
@@ -228,3 +229,4 @@ def test_drop_probe_hooks_skip_the_part_they_name(tmp_path):
         runs[drop] = out.stdout.split()
     layers = int(runs[""][1])
     assert int(runs[""][0]) == 2 * layers and int(runs["experts"][0]) == layers
+    assert runs[""][2] == "ffn"          # the mixffn part's site hook: a block's last mHC site is its FFN's
