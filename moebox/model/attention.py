@@ -175,7 +175,7 @@ class Attention:
         q, *index_q = self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         qi = index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim) if self.indexer is not None else None
-        raw = decode and self._raw_queries(q, cache)
+        raw = decode and self._raw_queries(q, stored)
         if not raw:
             q, qi = query_rope(q, qi, pos, self.inv_freq, cfg.rms_norm_eps)
         idx = None
@@ -351,17 +351,16 @@ class Attention:
         return None, store_keys(kv, self.kv_norm, cfg.rms_norm_eps, pos, self.inv_freq, slot, cache.window,
                                 cfg.sliding_window, self._qat_nope_dim()), valid
 
-    def _raw_queries(self, q: torch.Tensor, cache: LayerCache | None) -> bool:
+    def _raw_queries(self, q: torch.Tensor, stored: tuple) -> bool:
         """Whether a decode step leaves its queries raw for the kernels that read them to norm and rotate
         (`rope_tile`: q in the attention kernel, qi in the indexer's score kernel), one launch (`query_rope`)
         fewer before them: in CSA layers (where the attention kernel reads q before its PDL wait, beside the
-        indexer's kernels) whose attention kernel takes the step and whose index vectors need no QAT rounding
-        after their rotation. MOEBOX_QUERY_IN_ATTENTION=0 / 1: in no layer / in every such layer."""
+        indexer's kernels) whose attention kernel takes the step (`_store_decode` returned no keys: the kernel
+        reads the ring) and whose index vectors need no QAT rounding after their rotation.
+        MOEBOX_QUERY_IN_ATTENTION=0 / 1: in no layer / in every such layer."""
         every_layer = os.environ.get("MOEBOX_QUERY_IN_ATTENTION", "csa") != "csa"
-        return (cache is not None and kernel_switched_on(q, "MOEBOX_QUERY_IN_ATTENTION")
-                and (every_layer or self.indexer is not None)
-                and attention_kernel_takes(q, cache.window, cache.entries if self.compressor else None)
-                and not (self.indexer is not None and self.qat))
+        return (stored[0] is None and kernel_switched_on(q, "MOEBOX_QUERY_IN_ATTENTION")
+                and (every_layer or self.indexer is not None) and not (self.indexer is not None and self.qat))
 
     def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
                        cache: LayerCache, raw: bool) -> torch.Tensor:
@@ -384,7 +383,6 @@ class Attention:
             return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid,
                                  (pos, self.inv_freq), (pos, self.inv_freq, cfg.rms_norm_eps) if raw else None,
                                  self.indexer is not None)
-        assert not raw, "raw queries go to the attention kernel, which reads the ring itself (keys None)"
         if entries is not None and rows is None:                  # HCA: every entry row
             rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
         return inverse_rope(attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid), pos,

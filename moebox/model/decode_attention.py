@@ -118,12 +118,13 @@ def index_select(qi: torch.Tensor, wi: torch.Tensor, scale: float, index_keys: t
     batch 1, 4K-64K, on the H200); MOEBOX_INDEX_KERNEL=0 takes the compiled torch function. `rope` (positions,
     inv_freq): qi is the raw product, rotated (`apply_rope`) by the score kernel where it fits, else first."""
     from moebox.ops.triton import index_scores as scorer
+    from moebox.ops.triton.rope import rope_tile_fits
 
     def torch_scores() -> torch.Tensor:
         q = qi if rope is None else apply_rope(qi, rope[0], rope[1])
         return index_scores(q, wi, scale, index_keys, slot, valid)
     if (kernel_switched_on(qi, "MOEBOX_INDEX_KERNEL") and scorer.supported(qi, wi, index_keys, slot, valid)
-            and (rope is None or scorer.rope_tile_fits(qi, *rope))):
+            and (rope is None or rope_tile_fits(qi, *rope))):
         scores = kernel_or_fallback("indexer scores", "MOEBOX_INDEX_KERNEL",
                                     lambda: scorer.index_scores_triton(qi, wi, scale, index_keys, slot, valid,
                                                                        rope=rope), torch_scores)

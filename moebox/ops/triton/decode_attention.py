@@ -222,13 +222,12 @@ if HAVE_TRITON:
         b = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
         mh = offs_h < NH
+        q_rows = q_ptr + b * s_qb + offs_h[:, None] * s_qh
         if Q_EARLY:
-            q = _q_block(q_ptr + b * s_qb + offs_h[:, None] * s_qh, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD,
-                         Q_RD, PRECISE)
+            q = _q_block(q_rows, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD, Q_RD, PRECISE)
         pdl_start(PDL)
         if not Q_EARLY:
-            q = _q_block(q_ptr + b * s_qb + offs_h[:, None] * s_qh, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD,
-                         Q_RD, PRECISE)
+            q = _q_block(q_rows, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD, Q_RD, PRECISE)
         sp = tl.program_id(1)
         offs_d = tl.arange(0, D_PAD)
         offs_k = tl.arange(0, BLOCK_K)
