@@ -44,10 +44,13 @@ def _launches() -> list[tuple[str, ast.Call]]:
 # product, before it.
 READ_BEFORE_WAIT = {
     "decode_attention.py:_attend_kernel": {"q_ptr", "qpos_ptr", "qinv_ptr"},
+    "decode_attention.py:_combine_kernel": {"sink_ptr", "pos_ptr", "inv_ptr"},
     "fp8_linear.py:_fp8_gemv_kernel": {"w_ptr", "s_ptr"},
     "fp8_mma.py:_fp8_mma_kernel": {"w_ptr", "s_ptr"},
+    "mhc.py:_mix_kernel": {"base_ptr", "scale_ptr", "norm_ptr"},
     "mhc.py:_post_kernel": {"fn_ptr"},
-    "route.py:_router_route_kernel": {"g_ptr"},
+    "route.py:_route_kernel": {"bias_ptr"},
+    "route.py:_router_route_kernel": {"g_ptr", "bias_ptr"},
     "w2_moe.py:_down_mma_kernel": {"w2c_ptr", "w2s_ptr", "ids_ptr"},
 }
 

@@ -282,16 +282,21 @@ if HAVE_TRITON:
             tl.store(po_ptr + row_p.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=mhd)
 
     @triton.jit
-    def _unrope(o, col0, pos, inv_ptr, D: tl.constexpr, RD: tl.constexpr):
-        """o [H, BD] fp32 at columns col0.. (BD and col0 even) of a D-wide head: its columns past D - RD rotated
-        back by pos * inv_freq in interleaved pairs (2i, 2i+1), as `apply_rope(..., inverse=True)`."""
+    def _unrope_angles(col0, pos, inv_ptr, BD: tl.constexpr, D: tl.constexpr, RD: tl.constexpr):
+        """(cos, sin) [BD / 2] of the column pairs (2i, 2i+1) from col0 (even) of a D-wide head: pos * inv_freq
+        for the trailing RD columns, 0 (cos 1, sin 0: not rotated) before them."""
+        c = col0 + 2 * tl.arange(0, BD // 2)                            # each pair's even column
+        j = (c - (D - RD)) // 2
+        f = pos * tl.load(inv_ptr + j, mask=(j >= 0) & (c < D), other=0.0)
+        return tl.cos(f), tl.sin(f)
+
+    @triton.jit
+    def _unrope(o, cos, sin):
+        """o [H, BD] fp32 rotated back by the angles of `_unrope_angles`, as `apply_rope(..., inverse=True)`."""
         H: tl.constexpr = o.shape[0]
         BD: tl.constexpr = o.shape[1]
         a, b = tl.split(tl.reshape(o, (H, BD // 2, 2)))
-        c = col0 + 2 * tl.arange(0, BD // 2)                            # each pair's even column
-        j = (c - (D - RD)) // 2
-        f = pos * tl.load(inv_ptr + j, mask=(j >= 0) & (c < D), other=0.0)   # 0: cos 1, sin 0 (not rotated)
-        cos, sin = tl.cos(f)[None, :], tl.sin(f)[None, :]
+        cos, sin = cos[None, :], sin[None, :]
         return tl.reshape(tl.join(a * cos + b * sin, b * cos - a * sin), (H, BD))
 
     @triton.jit
@@ -309,8 +314,9 @@ if HAVE_TRITON:
                         UNROLL: tl.constexpr, PDL: tl.constexpr):
         """out[b, heads, cols] from the SPLIT partials of sequence b, summed in split order; RD > 0: the
         trailing RD columns of each head rotated back by position pos[b] (`_unrope`). UNROLL: the S_PAD splits
-        unrolled with masks (their loads issued together; a masked split adds 0), else a loop over NSPLIT."""
-        pdl_start(PDL)
+        unrolled with masks (their loads issued together; a masked split adds 0), else a loop over NSPLIT.
+        Before the PDL wait: the sinks (a weight) and the rotation's angles (the positions are the step's input,
+        written launches back), so after it the program waits only for the partials."""
         b = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
         offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -318,11 +324,14 @@ if HAVE_TRITON:
         mh = offs_h < NH
         md = offs_d < D
         ms = offs_s < NSPLIT
+        sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+        if RD:
+            cos, sin = _unrope_angles(tl.program_id(2) * BD, tl.load(pos_ptr + b).to(tl.float32), inv_ptr, BD, D, RD)
+        pdl_start(PDL)
         rows = (b * NSPLIT + offs_s[:, None]) * NH + offs_h[None, :]                     # [S_PAD, HB]
         msh = ms[:, None] & mh[None, :]
         pm = tl.load(pm_ptr + rows, mask=msh, other=float("-inf"))
         pl = tl.load(pl_ptr + rows, mask=msh, other=0.0)
-        sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
         big = tl.maximum(tl.max(pm, axis=0), sink)          # = max_s m_s (each m_s >= sink); finite
         den = tl.sum(pl * tl.exp(pm - big[None, :]), axis=0) + tl.exp(sink - big)
         acc = tl.zeros([HB, BD], dtype=tl.float32)
@@ -335,7 +344,7 @@ if HAVE_TRITON:
                 acc = _add_split(acc, po_ptr, pm_ptr, (b * NSPLIT + s) * NH + offs_h, offs_d, big, mh, md, D)
         out = acc / den[:, None]
         if RD:
-            out = _unrope(out, tl.program_id(2) * BD, tl.load(pos_ptr + b).to(tl.float32), inv_ptr, D, RD)
+            out = _unrope(out, cos, sin)
         tl.store(out_ptr + b * s_ob + offs_h[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mh[:, None] & md[None, :])
 

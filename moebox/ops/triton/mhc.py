@@ -278,33 +278,49 @@ if HAVE_TRITON:
         length). COEFFS: program 0 computes post and the Sinkhorn-normalised comb (first, so the longest
         dependency chain starts first); every other program computes x over its BLOCK_H columns (with COEFFS
         and one program a token, only post and comb). NORM (needs GRAM): x comes out RMS-normed with the weight
-        at norm_ptr; its mean square is pre^T G pre / H, so no program needs the whole row."""
-        pdl_start(PDL)
+        at norm_ptr; its mean square is pre^T G pre / H, so no program needs the whole row.
+        Loads: the weights (base, scale, the norm's columns) before the PDL wait, and after it the partials and
+        X's columns together, so an x program waits for one L2 round trip where it waited for five in a row (the
+        sm_90 build had each load after the reduction before it)."""
         n = tl.program_id(0)
         ph = tl.program_id(1) - (1 if COEFFS else 0)   # the H block of an x program; -1: post/comb
+        xprog = ph >= 0
         offs_s = tl.arange(0, S_PAD)
         offs_j = tl.arange(0, HC_PAD)
         ms = offs_s < SPLIT
         mj = offs_j < HC
+        hh = ph * BLOCK_H + tl.arange(0, BLOCK_H)
+        mh = (hh >= 0) & (hh < H)                     # none in the post/comb program
+        lin = tl.where(xprog, 0, HC)                    # the logits and base of pre (x programs) or post
+        b_lin = tl.load(base_ptr + lin + offs_j, mask=mj, other=0.0).to(tl.float32)
+        s_lin = tl.load(scale_ptr + tl.where(xprog, 0, 1)).to(tl.float32)
+        if NORM:
+            w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
+        pdl_start(PDL)
+        # volatile: ptxas keeps these loads in order, all issued before the first reduction (plain loads of X
+        # it sank below the partials' reductions: two round trips)
+        X_n = X_ptr + n.to(tl.int64) * stride_Xn
+        Xt = tl.load(X_n + offs_j[:, None] * H + hh[None, :], mask=mj[:, None] & mh[None, :], other=0.0,
+                     volatile=True)
         ws_n = ws_ptr + (n.to(tl.int64) * SPLIT + offs_s) * M_PAD                       # [S_PAD]
+        lin_w = tl.load(ws_n[:, None] + lin + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0,
+                        volatile=True)
         if GRAM:
             jk = offs_j[:, None] * HC + offs_j[None, :]
-            g = tl.sum(tl.load(ws_n[:, None, None] + M + jk[None, :, :],
-                               mask=ms[:, None, None] & (mj[:, None] & mj[None, :])[None, :, :], other=0.0), axis=0)
+            g_w = tl.load(ws_n[:, None, None] + M + jk[None, :, :],
+                          mask=ms[:, None, None] & (mj[:, None] & mj[None, :])[None, :, :], other=0.0, volatile=True)
+        else:
+            sq_w = tl.load(ws_n + M, mask=ms, other=0.0, volatile=True)
+        if GRAM:
+            g = tl.sum(g_w, axis=0)
             sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
         else:
-            sumsq = tl.sum(tl.load(ws_n + M, mask=ms, other=0.0), axis=0)
+            sumsq = tl.sum(sq_w, axis=0)
         rs = 1.0 / tl.sqrt(sumsq / K + norm_eps)
-        if ph >= 0:
-            pre_l = tl.sum(tl.load(ws_n[:, None] + offs_j[None, :], mask=ms[:, None] & mj[None, :], other=0.0),
-                           axis=0)
-            b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
-            pre = tl.sigmoid(pre_l * rs * tl.load(scale_ptr).to(tl.float32) + b_pre) + eps
-            hh = ph * BLOCK_H + tl.arange(0, BLOCK_H)
-            mh = hh < H
-            Xt = tl.load(X_ptr + n.to(tl.int64) * stride_Xn + offs_j[:, None] * H + hh[None, :],
-                         mask=mj[:, None] & mh[None, :], other=0.0).to(tl.float32)
-            x = tl.sum(pre[:, None] * Xt, axis=0)
+        a_lin = tl.sum(lin_w, axis=0) * rs * s_lin + b_lin
+        if xprog:
+            pre = tl.sigmoid(a_lin) + eps
+            x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0)
             if NORM:   # rms_norm(x rounded to X's dtype, weight); the mean square from G, before that rounding
                 pm = tl.where(mj, pre, 0.0)
                 q = pm[:, None] * g * pm[None, :]
@@ -312,15 +328,11 @@ if HAVE_TRITON:
                 # its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to under 1/256 of
                 # that, the row's squares are summed directly instead (rare: 4 more loads of the token's X)
                 if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
-                    ms_x = _row_mean_square(X_ptr + n.to(tl.int64) * stride_Xn, pre, offs_j, mj, H, BLOCK_H)
-                w = tl.load(norm_ptr + hh, mask=mh, other=0.0).to(tl.float32)
+                    ms_x = _row_mean_square(X_n, pre, offs_j, mj, H, BLOCK_H)
                 x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
             tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
         elif COEFFS:
-            post_l = tl.sum(tl.load(ws_n[:, None] + HC + offs_j[None, :], mask=ms[:, None] & mj[None, :],
-                                    other=0.0), axis=0)
-            b_post = tl.load(base_ptr + HC + offs_j, mask=mj, other=0.0).to(tl.float32)
-            post = 2.0 * tl.sigmoid(post_l * rs * tl.load(scale_ptr + 1).to(tl.float32) + b_post)
+            post = 2.0 * tl.sigmoid(a_lin)
             tl.store(post_ptr + n.to(tl.int64) * HC + offs_j, post, mask=mj)
             jk = offs_j[:, None] * HC + offs_j[None, :]                                   # [HC_PAD, HC_PAD]
             valid = mj[:, None] & mj[None, :]

@@ -42,21 +42,29 @@ if HAVE_TRITON:
     def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_ln, scaling,
                       K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+        bias = _bias(bias_ptr, E, BLOCK_E, HAS_BIAS)
         pdl_start(PDL)
         n = tl.program_id(0).to(tl.int64)
-        _route_row(logits_ptr + n * stride_ln, bias_ptr, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING,
-                   HAS_BIAS, NORM, "")
+        _route_row(logits_ptr + n * stride_ln, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM,
+                   "")
 
     @triton.jit
-    def _route_row(row, bias_ptr, ids_ptr, w_ptr, n, E, scaling, K: tl.constexpr, K_PAD: tl.constexpr,
-                   BLOCK_E: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                   CACHE: tl.constexpr):
-        """Token n's routing from its E logits at `row` (loaded with cache modifier CACHE) into ids/w row n."""
+    def _bias(bias_ptr, E, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The selection bias [BLOCK_E] fp32 (0 past E, or everywhere without one): a weight, which the kernels
+        load before their PDL wait."""
+        offs = tl.arange(0, BLOCK_E)
+        if HAS_BIAS:
+            return tl.load(bias_ptr + offs, mask=offs < E, other=0.0).to(tl.float32)
+        return tl.zeros((BLOCK_E,), dtype=tl.float32)
+
+    @triton.jit
+    def _route_row(row, bias, ids_ptr, w_ptr, n, E, scaling, K: tl.constexpr, K_PAD: tl.constexpr,
+                   BLOCK_E: tl.constexpr, SCORING: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr):
+        """Token n's routing from its E logits at `row` (loaded with cache modifier CACHE) and the selection bias
+        (`_bias`) into ids/w row n."""
         offs = tl.arange(0, BLOCK_E)
         me = offs < E
-        sel = _scores(tl.load(row + offs, mask=me, other=0.0, cache_modifier=CACHE).to(tl.float32), SCORING)
-        if HAS_BIAS:
-            sel += tl.load(bias_ptr + offs, mask=me, other=0.0).to(tl.float32)
+        sel = _scores(tl.load(row + offs, mask=me, other=0.0, cache_modifier=CACHE).to(tl.float32), SCORING) + bias
         sel = tl.where(me, sel, float("-inf"))
         # one max a round: the selection value as an int32 of the same order (negative floats' low 31 bits
         # flipped) in the high word, the complement of the index in the low one (ties: the lowest index)
@@ -87,12 +95,14 @@ if HAVE_TRITON:
         logits[n]; the last of token n's E / ROWS programs to finish (its counter, which only ever grows, reaches
         a multiple of E / ROWS) routes the token from them. EARLY: the first BLOCK_H columns of the gate rows, a
         weight, are loaded before the PDL wait (all of them at V4's H <= BLOCK_H): their round trip overlaps the
-        kernel before."""
+        kernel before. The selection bias, which only the last program reads, always is (it was a DRAM round trip
+        of that program's, after all the others')."""
         r = tl.program_id(0)
         n = tl.program_id(1).to(tl.int64)
         rows = r * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_H)
         g_rows = g_ptr + rows.to(tl.int64)[:, None] * stride_ge + cols[None, :]
+        bias = _bias(bias_ptr, E, BLOCK_E, HAS_BIAS)
         if EARLY:
             g = tl.load(g_rows, mask=(cols < H)[None, :], other=0.0)
         pdl_start(PDL)
@@ -112,8 +122,8 @@ if HAVE_TRITON:
         done = tl.atomic_add(count_ptr + n, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
         if done % (E // ROWS) == E // ROWS - 1:
-            _route_row(logits_ptr + n * E, bias_ptr, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING,
-                       HAS_BIAS, NORM, ".cg")
+            _route_row(logits_ptr + n * E, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM,
+                       ".cg")
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
