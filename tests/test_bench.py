@@ -230,3 +230,34 @@ def test_drop_probe_hooks_skip_the_part_they_name(tmp_path):
     layers = int(runs[""][1])
     assert int(runs[""][0]) == 2 * layers and int(runs["experts"][0]) == layers
     assert runs[""][2] == "ffn"          # the mixffn part's site hook: a block's last mHC site is its FFN's
+
+
+def test_flag_probe_chain_matches_its_reference_in_the_interpreter():
+    """bench/flag_probe.py's chain (plain launches: the interpreter has no PDL) computes its torch reference, so
+    the probe's GPU check of the wait and flag modes against plain is a check against the reference."""
+    from tests.interpreter import run_in_interpreter
+    out = run_in_interpreter("""
+import sys; sys.path.insert(0, sys.argv[1])
+import torch
+from bench.flag_probe import chain, chain_reference
+run, first, last = chain("plain", 3, 8, n=64, device="cpu")
+run()
+ref = chain_reference(first, 3, 8, n=64)
+print("ERR", float((last - ref).abs().max() / ref.abs().max()))
+""")
+    assert float(out.split("ERR ")[1]) < 1e-6
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_flag_probe_flag_mode_spins_after_letting_the_next_launch():
+    """The flag mode's sm_90 build: launch_dependents first, then an acquire load of the counter in a loop, and a
+    release add after the slice's stores (what the probe means to time)."""
+    from bench.flag_probe import _link_kernel
+    from moebox.ops.triton.runtime import build_sm90
+    sig = {"src_ptr": "*fp32", "dst_ptr": "*fp32", "cin_ptr": "*i32", "cout_ptr": "*i32", "epoch_ptr": "*i32",
+           "G_IN": "i32"}
+    ptx = build_sm90(_link_kernel, sig, dict(N=4096, SLICE=16, MODE=2, FIRST=False),
+                     ["src_ptr", "dst_ptr"], num_warps=4).asm["ptx"]
+    launch, spin = ptx.find("griddepcontrol.launch_dependents"), ptx.find("ld.global.gpu.acquire")
+    store, release = ptx.rfind("st.global"), ptx.find("red.global.gpu.release.add")
+    assert "griddepcontrol.wait" not in ptx and 0 <= launch < spin < store < release
