@@ -29,7 +29,7 @@ HOOK = '''"""Probe only (bench/drop_probe.py): MOEBOX_DROP=a,b skips those parts
 import os
 
 DROP = set(filter(None, os.environ.get("MOEBOX_DROP", "").split(",")))
-SITE = [""]     # the mHC site the block runs now: "attn" or "ffn" (the mixffn part's hook sets it)
+SITE = [""]     # the mHC site the block runs now: "attn" or "ffn" (the mixffn part's patch sets it)
 _cache = {}
 
 
@@ -81,15 +81,17 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     # kernel B's x programs alone (the main stream's launch of hc_pre; the coefficients' side launch stays): x
     # is then a cached random tensor of the site's shape; mixffn: at the FFN sites only
     "mixx": [("moebox/ops/triton/mhc.py", """        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
-        with coeffs_branch:""", """        if ("mixx" in DROP or ("mixffn" in DROP and SITE[0] == "ffn")) and X.is_cuda:
+        with coeffs_branch:""", """        if ("mixx" in DROP or (SITE[0] and "mix" + SITE[0] in DROP)) and X.is_cuda:
             x = cached("mixx", (n, hidden), lambda: torch.randn_like(x))
         else:
             _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:""")],
+    # kernel B's x launch at one site kind: the mixx hook above, by the site marker this patch sets
     "mixffn": [("moebox/model/block.py", """        cfg = self.cfg
 """, """        cfg = self.cfg
         SITE[0] = "ffn" if hc is self.hc_ffn else "attn"
 """)],
+    "mixattn": [],
     "post": [_wrap("moebox/model/block.py", "        return ",
                    "hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)", "post",
                    "(id(self), id(hc), X.shape[0])")],
