@@ -90,7 +90,7 @@ from typing import Sequence
 
 import torch
 
-from moebox.ops.triton.rope import rope_tile, rope_tile_fits
+from moebox.ops.triton.rope import rope_pair_angles, rope_tile, rope_tile_fits
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump,  # noqa: F401
                                        default_hold, env_count, graph_us, interpreting, kernel_or_fallback,
                                        kernel_switched_on, next_pow2, num_sms, pdl_args, pdl_start, plain_tensor,
@@ -282,17 +282,9 @@ if HAVE_TRITON:
             tl.store(po_ptr + row_p.to(tl.int64)[:, None] * D + offs_d[None, :], acc, mask=mhd)
 
     @triton.jit
-    def _unrope_angles(col0, pos, inv_ptr, BD: tl.constexpr, D: tl.constexpr, RD: tl.constexpr):
-        """(cos, sin) [BD / 2] of the column pairs (2i, 2i+1) from col0 (even) of a D-wide head: pos * inv_freq
-        for the trailing RD columns, 0 (cos 1, sin 0: not rotated) before them."""
-        c = col0 + 2 * tl.arange(0, BD // 2)                            # each pair's even column
-        j = (c - (D - RD)) // 2
-        f = pos * tl.load(inv_ptr + j, mask=(j >= 0) & (c < D), other=0.0)
-        return tl.cos(f), tl.sin(f)
-
-    @triton.jit
     def _unrope(o, cos, sin):
-        """o [H, BD] fp32 rotated back by the angles of `_unrope_angles`, as `apply_rope(..., inverse=True)`."""
+        """o [H, BD] fp32 rotated back by the cos / sin [BD / 2] of its column pairs' angles (`rope_pair_angles`:
+        0, so cos 1 and sin 0, for the pairs not rotated), as `apply_rope(..., inverse=True)`."""
         H: tl.constexpr = o.shape[0]
         BD: tl.constexpr = o.shape[1]
         a, b = tl.split(tl.reshape(o, (H, BD // 2, 2)))
@@ -326,7 +318,8 @@ if HAVE_TRITON:
         ms = offs_s < NSPLIT
         sink = tl.load(sink_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
         if RD:
-            cos, sin = _unrope_angles(tl.program_id(2) * BD, tl.load(pos_ptr + b).to(tl.float32), inv_ptr, BD, D, RD)
+            f, _ = rope_pair_angles(tl.program_id(2) * BD, tl.load(pos_ptr + b).to(tl.float32), inv_ptr, BD, D, RD)
+            cos, sin = tl.cos(f), tl.sin(f)
         pdl_start(PDL)
         rows = (b * NSPLIT + offs_s[:, None]) * NH + offs_h[None, :]                     # [S_PAD, HB]
         msh = ms[:, None] & mh[None, :]

@@ -84,6 +84,15 @@ if HAVE_TRITON:
         tl.store(dst + rc, rot.to(x.dtype), mask=rm)
 
     @triton.jit
+    def rope_pair_angles(col0, pos, inv_ptr, BD: tl.constexpr, D, RD: tl.constexpr):
+        """(angles, rotated) [BD / 2] of the column pairs (2i, 2i+1) from col0 of a D-wide head whose trailing RD
+        channels are rotated (col0 and D - RD even): pos * inv_freq where a pair is rotated, else 0."""
+        c = col0 + 2 * tl.arange(0, BD // 2)                            # each pair's even column
+        j = (c - (D - RD)) // 2
+        rot = (j >= 0) & (c < D)
+        return pos * tl.load(inv_ptr + j, mask=rot, other=0.0), rot
+
+    @triton.jit
     def rope_tile(rows, hm, inv_ptr, pos, eps, D, D_PAD: tl.constexpr, RD: tl.constexpr, NORM: tl.constexpr,
                   PRECISE: tl.constexpr):
         """A consumer's own query heads, as `query_rope` would have written them: rows [BH, 1] pointers to the
@@ -97,15 +106,11 @@ if HAVE_TRITON:
         cols = tl.arange(0, D_PAD)
         x = tl.load(rows + cols[None, :], mask=hm[:, None] & (cols < D)[None, :], other=0.0)
         a, b = tl.split(tl.reshape(x, (BH, D_PAD // 2, 2)))
-        i = tl.arange(0, D_PAD // 2)
-        c = 2 * i
         if NORM:
             af, bf = a.to(tl.float32), b.to(tl.float32)
             rstd = tl.rsqrt((tl.sum(af * af, axis=1) + tl.sum(bf * bf, axis=1)) / D + eps)[:, None]
             a, b = (af * rstd).to(a.dtype), (bf * rstd).to(b.dtype)
-        j = i - (D - RD) // 2
-        rot = (j >= 0) & (c < D)
-        f = pos * tl.load(inv_ptr + j, mask=rot, other=0.0)
+        f, rot = rope_pair_angles(0, pos, inv_ptr, D_PAD, D, RD)
         cos, sin = device_cos(f, PRECISE)[None, :], device_sin(f, PRECISE)[None, :]
         af, bf = a.to(tl.float32), b.to(tl.float32)
         a2 = tl.where(rot[None, :], (af * cos - bf * sin).to(a.dtype), a)
@@ -155,7 +160,7 @@ if HAVE_TRITON:
         visible = (kpos > pos - window) & (kpos >= 0)
         tl.store(vis_ptr + n * R + i, visible.to(tl.uint8), mask=i < R)
 else:
-    rope_tile = None
+    rope_tile = rope_pair_angles = None
 
 
 def rope_tile_fits(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> bool:
