@@ -40,6 +40,12 @@ def cached(name, key, fn):
     if (name,) + key not in _cache:
         _cache[(name,) + key] = fn()
     return _cache[(name,) + key]
+
+
+def mix_part():
+    """The part that drops kernel B's x launch at the site running now: mixx (every site), else mixffn or
+    mixattn by the site marker. The cache must be keyed by a dropped part, or every call launches its fn."""
+    return "mixx" if "mixx" in DROP else "mix" + SITE[0]
 '''
 
 def _wrap(file: str, lhs: str, expr: str, part: str, key: str) -> tuple[str, str, str]:
@@ -81,8 +87,8 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     # kernel B's x programs alone (the main stream's launch of hc_pre; the coefficients' side launch stays): x
     # is then a cached random tensor of the site's shape; mixffn: at the FFN sites only
     "mixx": [("moebox/ops/triton/mhc.py", """        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
-        with coeffs_branch:""", """        if ("mixx" in DROP or (SITE[0] and "mix" + SITE[0] in DROP)) and X.is_cuda:
-            x = cached("mixx", (n, hidden), lambda: torch.randn_like(x))
+        with coeffs_branch:""", """        if mix_part() in DROP and X.is_cuda:
+            x = cached(mix_part(), (n, hidden), lambda: torch.randn_like(x))
         else:
             _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:""")],
@@ -102,7 +108,7 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
-IMPORT = "from moebox.drop import DROP, SITE, cached  # noqa: F401 - the probe's hooks\n"
+IMPORT = "from moebox.drop import DROP, SITE, cached, mix_part  # noqa: F401 - the probe's hooks\n"
 
 
 def build(dest: Path, source: Path | None = None) -> Path:

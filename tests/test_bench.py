@@ -232,6 +232,33 @@ def test_drop_probe_hooks_skip_the_part_they_name(tmp_path):
     assert runs[""][2] == "ffn"          # the mixffn part's site hook: a block's last mHC site is its FFN's
 
 
+_MIX_PART_SCRIPT = """
+import moebox.drop as drop
+calls = []
+for site in ("ffn", "attn", "ffn", "attn"):
+    drop.SITE[0] = site
+    part = drop.mix_part()
+    if part in drop.DROP:
+        drop.cached(part, (1, 8), lambda: calls.append(site))
+print(",".join(calls) or "-")
+"""
+
+
+def test_drop_probe_mix_parts_launch_nothing_after_the_first_step(tmp_path):
+    """Kernel B's x drop at one site kind (mixffn / mixattn) is cached under the part that is dropped: its
+    random stand-in is made once per shape and only at that site kind, not launched at every call (a hook
+    keyed by `mixx` did that, and timed a launch swapped for another)."""
+    from bench.drop_probe import build
+    dest = build(tmp_path / "drop")
+    seen = {}
+    for drop in ("mixffn", "mixattn", "mixx", ""):
+        out = subprocess.run([sys.executable, "-c", _MIX_PART_SCRIPT], cwd=dest, capture_output=True, text=True,
+                             env={**os.environ, "MOEBOX_DROP": drop, "PYTHONPATH": str(dest)}, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen[drop] = out.stdout.strip()
+    assert seen == {"mixffn": "ffn", "mixattn": "attn", "mixx": "ffn", "": "-"}
+
+
 def test_flag_probe_chain_matches_its_reference_in_the_interpreter():
     """bench/flag_probe.py's chain (plain launches: the interpreter has no PDL) computes its torch reference, so
     the probe's GPU check of the wait and flag modes against plain is a check against the reference."""
