@@ -64,7 +64,7 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
         return q, qi
     if _kernel_takes(q, qi):
         from moebox.ops.triton.rope import query_rope_triton""")],
-    "router": [_wrap("moebox/model/moe.py", "            idx, w = ", "self.route(x, tokens)", "router", LAYER_KEY)],
+    "router": [_wrap("moebox/model/moe.py", "        idx, w = ", "self.route(x, tokens)", "router", LAYER_KEY)],
     "experts": [_wrap("moebox/model/moe.py", "        out = ", "self.routed(x, tokens)", "experts", LAYER_KEY),
                 _wrap("moebox/model/moe.py", "            return ", "self.routed(x, tokens)", "experts", LAYER_KEY)],
     "shared": [_wrap("moebox/model/moe.py", "            shared = ", "self.shared_expert(x)", "shared", LAYER_KEY)],
@@ -86,11 +86,11 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
             coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials))""")],
     # kernel B's x programs alone (the main stream's launch of hc_pre; the coefficients' side launch stays): x
     # is then a cached random tensor of the site's shape; mixffn: at the FFN sites only
-    "mixx": [("moebox/ops/triton/mhc.py", """            _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
-        with coeffs_branch:""", """            if mix_part() in DROP and X.is_cuda:
-                x = cached(mix_part(), (n, hidden), lambda: torch.randn_like(x))
-            else:
-                _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+    "mixx": [("moebox/ops/triton/mhc.py", """        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        with coeffs_branch:""", """        if mix_part() in DROP and X.is_cuda:
+            x = cached(mix_part(), (n, hidden), lambda: torch.randn_like(x))
+        else:
+            _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:""")],
     # kernel B's x launch at one site kind: the mixx hook above, by the site marker this patch sets
     "mixffn": [("moebox/model/block.py", """        cfg = self.cfg
