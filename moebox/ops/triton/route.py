@@ -169,6 +169,18 @@ ROUTER_MAX_TOKENS = 16
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and programs a token
 
 
+def _counter(device: torch.device, programs: int, tokens: int) -> torch.Tensor:
+    """The per-token counters [ROUTER_MAX_TOKENS] int64 of last-arriver kernels with `programs` programs a token
+    (one set per device and program count, shared by the kernels that count in that quantum: they run one after
+    another on a stream, each leaving every counter a multiple of `programs`)."""
+    if tokens > ROUTER_MAX_TOKENS:
+        raise ValueError(f"at most {ROUTER_MAX_TOKENS} tokens a call, got {tokens}")
+    key = (device, programs)
+    if key not in _counters:
+        _counters[key] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int64, device=device)
+    return _counters[key]
+
+
 def router_supported(x: torch.Tensor, gate: torch.Tensor, scoring_func: str, top_k: int) -> bool:
     """Whether `router_route_triton` takes x [N <= 16, H] and the gate weight [E, H] (float dtypes, unit column
     stride, E a multiple of ROUTER_ROWS)."""
@@ -194,13 +206,10 @@ def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     w = torch.empty((n, top_k), dtype=torch.float32, device=x.device)
     if n == 0:
         return ids, w
-    key = (x.device, e // ROUTER_ROWS)
-    if key not in _counters:
-        _counters[key] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int64, device=x.device)
     logits = torch.empty((n, e), dtype=torch.float32, device=x.device)
     _router_route_kernel[(e // ROUTER_ROWS, n)](
-        x, gate, gate if bias is None else bias, logits, _counters[key], ids, w, e, h, x.stride(0),
-        gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096),
+        x, gate, gate if bias is None else bias, logits, _counter(x.device, e // ROUTER_ROWS, n), ids, w, e, h,
+        x.stride(0), gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096),
         **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), EARLY=early_loads(n), num_warps=4,
         **pdl_args(x, _router_route_kernel))
     return ids, w
