@@ -58,7 +58,7 @@ class MixRouteConfig:
     volatile: bool = True
 
 if HAVE_TRITON:
-    from moebox.ops.triton.route import _bias, _route_row
+    from moebox.ops.triton.route import _bias, _route_if_last
     from moebox.ops.triton.w2_moe import _pair_slot, _store_bf16_terms
 
     @triton.jit
@@ -115,13 +115,8 @@ if HAVE_TRITON:
             pos = 2 * _pair_slot(cols // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
             _store_bf16_terms(xp_ptr, n * (TERMS * H) + pos, x.to(tl.float32), TERMS, H, mine)
         tl.store(logits_ptr + n * E + rows, tl.sum(g.to(tl.float32) * x.to(tl.float32)[None, :], axis=1))
-        # as the fused router: every thread's store before the release, the last program's loads after its acquire
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + n, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if done % (E // ROWS) == E // ROWS - 1:
-            _route_row(logits_ptr + n * E, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM,
-                       ".cg")
+        _route_if_last(logits_ptr + n * E, count_ptr + n, E // ROWS, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD,
+                       BLOCK_E, SCORING, NORM)
 
 
 @dataclass(frozen=True)

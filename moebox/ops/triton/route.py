@@ -116,14 +116,21 @@ if HAVE_TRITON:
             gh = tl.load(g_rows + h0, mask=mh[None, :], other=0.0).to(tl.float32)
             acc += gh * xh[None, :]
         tl.store(logits_ptr + n * E + rows, tl.sum(acc, axis=1))
-        # every thread's store before one thread's release of the count; the last program's loads after its
-        # acquire (and from L2: the other programs' stores are not in this SM's L1)
+        _route_if_last(logits_ptr + n * E, count_ptr + n, E // ROWS, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD,
+                       BLOCK_E, SCORING, NORM)
+
+    @triton.jit
+    def _route_if_last(row, count, programs, bias, ids_ptr, w_ptr, n, E, scaling, K: tl.constexpr,
+                       K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr, NORM: tl.constexpr):
+        """After a program stored its logits into token n's `row`: count it on the token's counter (`programs` a
+        call), and the last to arrive routes the token from the row. Every thread's store comes before one
+        thread's release of the count; the last program's loads after its acquire (and from L2: the other
+        programs' stores are not in this SM's L1)."""
         tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + n, 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
-        if done % (E // ROWS) == E // ROWS - 1:
-            _route_row(logits_ptr + n * E, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM,
-                       ".cg")
+        if done % programs == programs - 1:
+            _route_row(row, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM, ".cg")
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
