@@ -1,9 +1,10 @@
 """An FFN site's x and routing in one launch (moebox/ops/triton/mix_route.py) against the torch composition it
 replaces: hc_pre's x, rms_norm, the router's product and the routing (`mix_route_reference`), and the packing.
 
-CPU: the kernel in Triton's interpreter (bf16 streams with packing, fp32 with no bias, fp16 at an H that is not a
-power of two with sigmoid scores, consecutive calls of 1 and 2 tokens: the per-token counters); its sm_90 build
-(registers, no spills, the weights' loads before the PDL wait); what it refuses; when the model asks for it.
+CPU: both kernels (rows, columns) in Triton's interpreter (bf16 streams with packing, fp32 with no bias, fp16 at an
+H that is not a power of two with sigmoid scores, volatile and plain loads, consecutive calls of 1 and 2 tokens:
+the per-token counters); their sm_90 builds (no spills, the weights' loads before the PDL wait); what it refuses;
+when the model asks for it.
 GPU (marker `gpu`): the V4-Flash shape (H 4096, E 256, k 6, bf16) at 1 and 2 tokens, outputs poisoned, eagerly
 and replayed from a CUDA graph on new streams.
 """
@@ -32,12 +33,16 @@ _CASES = textwrap.dedent("""
     from tests.test_triton_route import same_routing
     g = torch.Generator().manual_seed(0)
     results = []
-    # (N, H, E, k, scoring, bias, norm_topk, dtype, pack, x tolerance against the reference)
-    cases = [(1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2),
-             (2, 512, 32, 6, "sqrtsoftplus", False, True, torch.float32, True, 1e-5),
-             (2, 96, 10, 3, "sigmoid", True, False, torch.float16, False, 2e-3),
-             (1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2)]
-    for n, h, e, k, scoring, has_bias, norm_topk, dt, pack, tol in cases:
+    # (N, H, E, k, scoring, bias, norm_topk, dtype, pack, x tolerance against the reference, (warps, volatile,
+    # columns): the row kernel, then the column kernel)
+    cases = [(1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2, (8, True, 0)),
+             (2, 512, 32, 6, "sqrtsoftplus", False, True, torch.float32, True, 1e-5, (4, False, 0)),
+             (2, 96, 10, 3, "sigmoid", True, False, torch.float16, False, 2e-3, (4, True, 0)),
+             (1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2, (8, True, 0)),
+             (2, 512, 32, 6, "sqrtsoftplus", False, True, torch.float32, True, 1e-5, (8, True, 64)),
+             (2, 96, 10, 3, "sigmoid", True, False, torch.float16, False, 2e-3, (4, False, 64)),
+             (1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2, (8, False, 32))]
+    for n, h, e, k, scoring, has_bias, norm_topk, dt, pack, tol, variant in cases:
         hc = 4
         m = (2 + hc) * hc
         X = torch.randn(n, hc, h, generator=g).to(dt)
@@ -47,7 +52,7 @@ _CASES = textwrap.dedent("""
         router = kernel.Router((torch.randn(e, h, generator=g) / h ** 0.5).to(dt),
                                torch.randn(e, generator=g) * 0.1 if has_bias else None, k, scoring, norm_topk, 2.5)
         into = torch.full((n, h), float("nan"), dtype=dt)
-        config = kernel.MixRouteConfig(4 if n == 2 else 8, volatile=dt != torch.float32)
+        config = kernel.MixRouteConfig(*variant)
         x, ids, w, xp = kernel.mix_route_triton(X, hc_partials_triton(X, fn), base, scale, norm, router, eps=1e-6,
                                                 norm_eps=1e-6, pack=pack, into=into, config=config)
         assert x is into and (xp is not None) == pack
@@ -62,12 +67,14 @@ _CASES = textwrap.dedent("""
             same_routing(ids, w, ref_ids, ref_w)
         if pack:   # the packed x is the packing kernel's of the kernel's x, bit for bit
             assert torch.equal(xp, _pack_x(x, _empty_packed(x)))
-        results.append(dict(case=f"N{n} H{h} E{e} {dt}", same_buffer=True, finite=bool(x.isfinite().all()),
+        results.append(dict(case=f"N{n} H{h} E{e} {dt} {config}", same_buffer=True, finite=bool(x.isfinite().all()),
                             rel=float((x.float() - ref_x.float()).norm() / ref_x.float().norm()),
                             ref_norm=float(ref_x.float().norm()), tol=tol))
-    # between calls each token's counter is a whole number of calls (E / 2 programs each)
+    # between calls each token's counter is a whole number of calls (the row kernel: E / 2 programs a token, the
+    # column kernel: H / columns; kernels of one quantum share a set)
     counts = {p: c.tolist() for (_, p), c in _counters.items()}
-    assert counts == {8: [2 * 8] + [0] * 15, 16: [16, 16] + [0] * 14, 5: [5, 5] + [0] * 14}, counts
+    assert counts == {8: [4 * 8, 8] + [0] * 14, 16: [16, 16] + [0] * 14, 5: [5, 5] + [0] * 14,
+                      2: [2, 2] + [0] * 14}, counts
     print("RESULT " + json.dumps(results))
 """)
 
@@ -80,17 +87,20 @@ def test_kernel_in_triton_interpreter():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-def test_builds_for_sm90_with_its_weights_before_the_wait():
-    """As a V4-Flash FFN site launches it (bf16 streams, H 4096, E 256, k 6, 8 warps): no spills, and the loads
-    before the PDL wait are the weights' (gate rows, pre's base and scale, the norm weight, the bias)."""
+@pytest.mark.parametrize("kernel", ["rows", "columns"])
+def test_builds_for_sm90_with_its_weights_before_the_wait(kernel: str):
+    """As a V4-Flash FFN site launches them (bf16 streams, H 4096, E 256, k 6, 8 warps; the column kernel at 64
+    columns a program): no spills, and the loads before the PDL wait are the weights' (gate rows or columns, pre's
+    base and scale, the norm weight, the bias)."""
     from moebox.ops.triton import mix_route
     from moebox.ops.triton.route import _routing_constants
     from moebox.ops.triton.runtime import build_sm90, cubin_dump
-    fn = mix_route._mix_router_kernel
+    fn, grid = ((mix_route._mix_router_kernel, dict(BLOCK_H=4096, ROWS=mix_route.ROWS)) if kernel == "rows" else
+                (mix_route._mix_router_cols_kernel, dict(BLOCK_C=64, P_PAD=64)))
     before = {}
     for early in (True, False):
-        const = dict(HC=4, HC_PAD=4, M=24, W_PAD=64, S_PAD=128, BLOCK_H=4096, ROWS=mix_route.ROWS, TERMS=1,
-                     EARLY=early, PDL=True, **_routing_constants(256, torch.zeros(256), 6, "sqrtsoftplus", True))
+        const = dict(HC=4, HC_PAD=4, M=24, W_PAD=64, S_PAD=128, **grid, TERMS=1, VOLATILE=True, EARLY=early,
+                     PDL=True, **_routing_constants(256, torch.zeros(256), 6, "sqrtsoftplus", True))
         types = {"X_ptr": "*bf16", "g_ptr": "*bf16", "norm_ptr": "*bf16", "x_ptr": "*bf16", "xp_ptr": "*i16",
                  "count_ptr": "*i64", "ids_ptr": "*i64", "eps": "fp32", "norm_eps": "fp32", "scaling": "fp32"}
         sig = {a: types.get(a, "*fp32" if a.endswith("_ptr") else "i32") for a in fn.arg_names if a not in const}
@@ -152,12 +162,13 @@ def test_the_model_asks_for_it_only_where_switched_on(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("volatile", [True, False])
+@pytest.mark.parametrize("variant", [(8, True, 0), (8, False, 0), (8, True, 64), (8, False, 128)])
 @pytest.mark.parametrize("n", [1, 2])
-def test_gpu_v4_ffn_site(n: int, volatile: bool):
-    """The V4-Flash FFN site (bf16 streams [n, 4, 4096], E 256, k 6, packing on) against the reference: x within
-    bf16 rounding, the routing of that x exact, the packed x the packing kernel's; eagerly over poisoned memory,
-    then replayed from a CUDA graph on new streams (the counters carry over)."""
+def test_gpu_v4_ffn_site(n: int, variant: tuple):
+    """The V4-Flash FFN site (bf16 streams [n, 4, 4096], E 256, k 6, packing on; the row kernel and the column
+    kernel, volatile and plain loads) against the reference: x within bf16 rounding, the routing of that x exact,
+    the packed x the packing kernel's; eagerly over poisoned memory, then replayed from a CUDA graph on new
+    streams (the counters carry over)."""
     from moebox.ops.cuda_graphs import capture
     from moebox.ops.moe import route_from_logits
     from moebox.ops.triton.mhc import hc_partials_triton
@@ -173,7 +184,7 @@ def test_gpu_v4_ffn_site(n: int, volatile: bool):
     router = Router((torch.randn(256, h, generator=g, device="cuda") / 64).bfloat16(),
                     torch.randn(256, generator=g, device="cuda") * 0.05, 6, "sqrtsoftplus", True, 2.5)
     kw = dict(eps=1e-6, norm_eps=1e-6)
-    launch = dict(kw, pack=True, config=MixRouteConfig(volatile=volatile))
+    launch = dict(kw, pack=True, config=MixRouteConfig(*variant))
 
     def check(x, ids, w, xp):
         ref_x = mix_route_reference(X, fn, base, scale, norm, router, iters=20, **kw)[0]

@@ -86,18 +86,20 @@ CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from moebox.ops.mhc import hc_head_reference, hc_post_reference, hc_pre_reference
 from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
-from moebox.ops.triton.mix_route import RouteAhead
 
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, early_loads,  # noqa: F401
                                        env_count, graph_us, next_pow2, num_sms, pdl_args, pdl_start, rel_err,
                                        tl, triton)
+
+if TYPE_CHECKING:
+    from moebox.ops.triton.mix_route import RouteAhead
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",

@@ -22,12 +22,19 @@ token n (`_router_route_kernel` in route.py), except that it computes x itself w
 Every program of a token reads the whole X row and the partials (E / ROWS = 128 programs: ~5 MB of L2 reads a
 token), so the launch is meant for a few tokens; the rest takes the three launches.
 
+`_mix_router_cols_kernel` (`MixRouteConfig.columns` > 0), grid (H / columns, N): the other way to cut the work.
+Program (p, n) is kernel B's x program for columns p*columns.. (its mean square from the partials' Gram matrix,
+pre^T G pre / H, or the row's squares where that cancels: `_row_mean_square`), and computes every expert's logit
+over its columns (the gate's columns loaded before the wait) into part[n, p]; the token's last program sums the
+parts and routes. X and the partials are ~11 KB a program instead of 36, for 32-128 programs a token instead of
+128, at the cost of a larger last step (the parts: 64 KB at 64 columns a program).
+
 Off by default (`MIX_ROUTE_TOKENS` 0; MOEBOX_MIX_ROUTE=N takes it up to N tokens): on the H200 (thirty-fourth
 session, docs/benchmarks.md) the decode step at batch 1 went 4.81 -> 5.02 ms and at batch 2 6.15 -> 6.38 with
 it, ~5 us a FFN site slower where the drop probe said up to 4 us could go, and not understood yet. `bench`
 (`python -m moebox.ops.triton.mix_route`) times a decode FFN site's main-stream chain both ways (hc_post, then
 kernel B's x and the router; or hc_post, then this launch) in CUDA-graph replay, with the variants
-`MixRouteConfig` sets (warps; X and the partials as volatile loads, which the sm_90 build makes
+`MixRouteConfig` sets (rows or columns; warps; X and the partials as volatile loads, which the sm_90 build makes
 LDG.E.128.STRONG.SYS, or plain ones), to find where the launch loses before it is tried in the step again.
 
 `mix_route_reference` is the torch composition it replaces (hc_pre's x, rms_norm, the router and routing,
@@ -51,14 +58,18 @@ ROWS = 2                  # experts a program computes, as the fused router's RO
 
 @dataclass(frozen=True)
 class MixRouteConfig:
-    """The launch's variants: warps a program, and whether X and the partials are volatile loads (one burst in
-    order, as kernel B's) or plain ones (which ptxas may reorder and cache)."""
+    """The launch's variants: warps a program; whether X and the partials are volatile loads (one burst in
+    order, as kernel B's) or plain ones (which ptxas may reorder and cache); and the grid: the row kernel (a
+    program = 2 experts over the whole row, as the fused router) or the column kernel (a program = every expert's
+    partial logit over `columns` columns, the token's last program summing them)."""
 
     num_warps: int = 8
     volatile: bool = True
+    columns: int = 0          # 0: the row kernel; else the column kernel with this many columns a program
 
 if HAVE_TRITON:
-    from moebox.ops.triton.route import _bias, _route_if_last
+    from moebox.ops.triton.mhc import _row_mean_square
+    from moebox.ops.triton.route import _bias, _route_if_last, _route_row
     from moebox.ops.triton.w2_moe import _pair_slot, _store_bf16_terms
 
     @triton.jit
@@ -67,6 +78,84 @@ if HAVE_TRITON:
         if VOLATILE:
             return tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _store_x(x_row, xp_row, cols, x, mask, H, TERMS: tl.constexpr):
+        """x's columns `cols` (where mask) into its row, and (TERMS > 0) into its packed row as `_pack_x_kernel`
+        lays it out: column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1."""
+        tl.store(x_row + cols, x, mask=mask)
+        if TERMS:
+            c = cols % 16
+            pos = 2 * _pair_slot(cols // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
+            _store_bf16_terms(xp_row, pos, x.to(tl.float32), TERMS, H, mask)
+
+    @triton.jit
+    def _mix_router_cols_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, norm_ptr, g_ptr, bias_ptr, x_ptr, xp_ptr,
+                                part_ptr, logits_ptr, count_ptr, ids_ptr, w_ptr, E, H, SPLIT, eps, norm_eps,
+                                scaling, stride_Xn, stride_xn, stride_ge,
+                                HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, W_PAD: tl.constexpr,
+                                S_PAD: tl.constexpr, BLOCK_C: tl.constexpr, P_PAD: tl.constexpr, K: tl.constexpr,
+                                K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, NORM: tl.constexpr, TERMS: tl.constexpr,
+                                VOLATILE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        """Program (p, n): token n's x over columns p*BLOCK_C.. (kernel B's x program: its mean square from the
+        partials' Gram matrix, pre^T G pre / H, or the row's squares where that cancels) and every expert's
+        logit over those columns into part[n, p]; the token's last program sums the parts and routes."""
+        p = tl.program_id(0)
+        n = tl.program_id(1).to(tl.int64)
+        P = tl.num_programs(0)
+        cols = p * BLOCK_C + tl.arange(0, BLOCK_C)
+        mh = cols < H
+        offs_e = tl.arange(0, BLOCK_E)
+        me = offs_e < E
+        offs_j = tl.arange(0, HC_PAD)
+        mj = offs_j < HC
+        offs_s = tl.arange(0, S_PAD)
+        ms = offs_s < SPLIT
+        g_cols = g_ptr + offs_e.to(tl.int64)[:, None] * stride_ge + cols[None, :]
+        mg = me[:, None] & mh[None, :]
+        bias = _bias(bias_ptr, E, BLOCK_E, HAS_BIAS)
+        b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
+        s_pre = tl.load(scale_ptr).to(tl.float32)
+        wn = tl.load(norm_ptr + cols, mask=mh, other=0.0).to(tl.float32)
+        if EARLY:
+            g = tl.load(g_cols, mask=mg, other=0.0)
+        pdl_start(PDL)
+        if EARLY == 0:
+            g = tl.load(g_cols, mask=mg, other=0.0)
+        X_n = X_ptr + n * stride_Xn
+        Xt = _after_wait(X_n + offs_j[:, None] * H + cols[None, :], mj[:, None] & mh[None, :], VOLATILE)
+        ws_n = ws_ptr + (n * SPLIT + offs_s) * W_PAD
+        lin_w = _after_wait(ws_n[:, None] + offs_j[None, :], ms[:, None] & mj[None, :], VOLATILE)
+        jk = offs_j[:, None] * HC + offs_j[None, :]
+        valid = mj[:, None] & mj[None, :]
+        g_w = _after_wait(ws_n[:, None, None] + M + jk[None, :, :], ms[:, None, None] & valid[None, :, :], VOLATILE)
+        G = tl.sum(g_w, axis=0)
+        sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], G, 0.0), axis=1), axis=0)
+        rs = 1.0 / tl.sqrt(sumsq / (HC * H) + norm_eps)
+        pre = tl.sigmoid(tl.sum(lin_w, axis=0) * rs * s_pre + b_pre) + eps
+        x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0)
+        pm = tl.where(mj, pre, 0.0)
+        q = pm[:, None] * G * pm[None, :]
+        ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
+        if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:   # cancels: as kernel B
+            ms_x = _row_mean_square(X_n, pre, offs_j, mj, H, BLOCK_C)
+        x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * wn
+        x = x.to(x_ptr.dtype.element_ty)
+        _store_x(x_ptr + n * stride_xn, xp_ptr + n * (TERMS * H), cols, x, mh, H, TERMS)
+        part = tl.sum(g.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        tl.store(part_ptr + (n * P + p) * E + offs_e, part, mask=me)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + n, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if done % P == P - 1:   # the parts from L2 (the others' stores are not in this SM's L1)
+            pp = tl.arange(0, P_PAD)
+            parts = tl.load(part_ptr + (n * P + pp)[:, None] * E + offs_e[None, :],
+                            mask=(pp < P)[:, None] & me[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(logits_ptr + n * E + offs_e, tl.sum(parts, axis=0), mask=me)
+            tl.debug_barrier()
+            _route_row(logits_ptr + n * E, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM,
+                       ".cg")
 
     @triton.jit
     def _mix_router_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, norm_ptr, g_ptr, bias_ptr, x_ptr, xp_ptr,
@@ -108,12 +197,8 @@ if HAVE_TRITON:
         x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0).to(X_ptr.dtype.element_ty).to(tl.float32)
         x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + norm_eps)) * wn
         x = x.to(x_ptr.dtype.element_ty)
-        mine = mh & (cols >= r * SLICE) & (cols < (r + 1) * SLICE)
-        tl.store(x_ptr + n * stride_xn + cols, x, mask=mine)
-        if TERMS:   # column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1 (`_pack_x_kernel`)
-            c = cols % 16
-            pos = 2 * _pair_slot(cols // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
-            _store_bf16_terms(xp_ptr, n * (TERMS * H) + pos, x.to(tl.float32), TERMS, H, mine)
+        _store_x(x_ptr + n * stride_xn, xp_ptr + n * (TERMS * H), cols, x, mh & (cols >= r * SLICE) &
+                 (cols < (r + 1) * SLICE), H, TERMS)
         tl.store(logits_ptr + n * E + rows, tl.sum(g.to(tl.float32) * x.to(tl.float32)[None, :], axis=1))
         _route_if_last(logits_ptr + n * E, count_ptr + n, E // ROWS, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD,
                        BLOCK_E, SCORING, NORM)
@@ -175,16 +260,27 @@ def mix_route_triton(X: torch.Tensor, partials: torch.Tensor, base: torch.Tensor
     if n == 0:
         return x, ids, w, xp
     logits = torch.empty((n, e), dtype=torch.float32, device=X.device)
+    common = dict(HC=hc, HC_PAD=next_pow2(hc), M=m, W_PAD=ws.shape[2], S_PAD=next_pow2(ws.shape[1]),
+                  **_routing_constants(e, router.bias, router.top_k, router.scoring_func, router.norm_topk_prob),
+                  TERMS=_TERMS[X.dtype] if pack else 0, VOLATILE=config.volatile, EARLY=early_loads(n),
+                  num_warps=config.num_warps)
+    bias = x if router.bias is None else router.bias
+    packed = x if xp is None else xp.view(torch.int16)
+    if config.columns:
+        programs = -(-hidden // config.columns)
+        parts = torch.empty((n, programs, e), dtype=torch.float32, device=X.device)
+        _mix_router_cols_kernel[(programs, n)](
+            X, ws, base.reshape(-1), scale.reshape(-1), norm, router.gate, bias, x, packed, parts, logits,
+            _counter(X.device, programs, n), ids, w, e, hidden, ws.shape[1], float(eps), float(norm_eps),
+            float(router.scaling), X.stride(0), x.stride(0), router.gate.stride(0), BLOCK_C=config.columns,
+            P_PAD=next_pow2(programs), **common, **pdl_args(X, _mix_router_cols_kernel))
+        return x, ids, w, xp
     programs = e // ROWS
     _mix_router_kernel[(programs, n)](
-        X, ws, base.reshape(-1), scale.reshape(-1), norm, router.gate, x if router.bias is None else router.bias,
-        x, x if xp is None else xp.view(torch.int16), logits, _counter(X.device, programs, n), ids, w, e, hidden,
-        ws.shape[1], -(-hidden // programs), float(eps), float(norm_eps), float(router.scaling), X.stride(0),
-        x.stride(0), router.gate.stride(0), HC=hc, HC_PAD=next_pow2(hc), M=m, W_PAD=ws.shape[2],
-        S_PAD=next_pow2(ws.shape[1]), BLOCK_H=next_pow2(hidden), ROWS=ROWS,
-        **_routing_constants(e, router.bias, router.top_k, router.scoring_func, router.norm_topk_prob),
-        TERMS=_TERMS[X.dtype] if pack else 0, VOLATILE=config.volatile, EARLY=early_loads(n),
-        num_warps=config.num_warps, **pdl_args(X, _mix_router_kernel))
+        X, ws, base.reshape(-1), scale.reshape(-1), norm, router.gate, bias, x, packed, logits,
+        _counter(X.device, programs, n), ids, w, e, hidden, ws.shape[1], -(-hidden // programs), float(eps),
+        float(norm_eps), float(router.scaling), X.stride(0), x.stride(0), router.gate.stride(0),
+        BLOCK_H=next_pow2(hidden), ROWS=ROWS, **common, **pdl_args(X, _mix_router_kernel))
     return x, ids, w, xp
 
 
@@ -231,8 +327,10 @@ def mix_route_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
 
 
 # ----------------------------------------------------------------------------------------------- bench
-BENCH_CONFIGS = (MixRouteConfig(), MixRouteConfig(volatile=False), MixRouteConfig(4), MixRouteConfig(4, False),
-                 MixRouteConfig(16), MixRouteConfig(16, False))
+BENCH_CONFIGS = (MixRouteConfig(), MixRouteConfig(volatile=False), MixRouteConfig(4), MixRouteConfig(16),
+                 MixRouteConfig(16, False), MixRouteConfig(8, True, 64), MixRouteConfig(8, False, 64),
+                 MixRouteConfig(4, True, 64), MixRouteConfig(8, True, 128), MixRouteConfig(16, True, 128),
+                 MixRouteConfig(8, True, 32))
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 2),
@@ -279,10 +377,11 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 2),
         for config in (None, *configs):
             same = torch.equal(site(0, config)[0].sort(dim=1)[0], want)
             us = graph_us(each_copy(lambda i, c=config: site(i, c), copies))
-            name = "kernel B + router" if config is None else f"one launch, {config.num_warps} warps" + (
-                ", volatile" if config.volatile else ", plain loads")
+            name = "kernel B + router" if config is None else (
+                f"one launch, {f'{config.columns} columns' if config.columns else 'rows'}, {config.num_warps} warps, "
+                + ("volatile" if config.volatile else "plain loads"))
             rows.append(dict(N=n, variant=name, us=us, same_routing=same))
-            print(f"N={n} {name:36s} {us:7.2f} us   routing {'same' if same else 'DIFFERS'}", flush=True)
+            print(f"N={n} {name:50s} {us:7.2f} us   routing {'same' if same else 'DIFFERS'}", flush=True)
         del sites, outs, routers
         torch.cuda.empty_cache()
     return rows
