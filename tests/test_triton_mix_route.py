@@ -79,6 +79,41 @@ _CASES = textwrap.dedent("""
 """)
 
 
+_SITE = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from moebox.ops.triton import mix_route as kernel
+    from moebox.ops.triton.mhc import hc_partials_triton, hc_pre_triton, random_site
+    from moebox.ops.triton.route import router_route_triton
+    from tests.test_triton_route import same_routing
+    results = []
+    for n, columns in ((1, 0), (2, 64)):
+        X, fn, base, scale = random_site(n, hidden=256, dtype=torch.float32, device="cpu", seed=n)
+        g = torch.Generator().manual_seed(n)
+        norm = 1 + 0.2 * torch.randn(256, generator=g)
+        router = kernel.Router(torch.randn(16, 256, generator=g) / 16, torch.randn(16, generator=g) * 0.1, 2,
+                               "sqrtsoftplus", True, 2.5)
+        kw = dict(iters=20, eps=1e-6, norm_eps=1e-6, norm=norm, partials=hc_partials_triton(X, fn))
+        want = hc_pre_triton(X, fn, base, scale, **kw)
+        ahead = kernel.RouteAhead(router, pack=False, config=kernel.MixRouteConfig(columns=columns))
+        got = hc_pre_triton(X, fn, base, scale, **kw, router=ahead)
+        same_routing(ahead.ids, ahead.weights, *router_route_triton(want[0], router.gate, router.bias,
+                                                                     **router.routing()))
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])      # post and comb: the same launch
+        results.append(dict(case=f"N{n} columns {columns}", same_buffer=True, finite=bool(got[0].isfinite().all()),
+                            rel=float((got[0] - want[0]).norm() / want[0].norm()), ref_norm=float(want[0].norm())))
+    print("RESULT " + json.dumps(results))
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
+def test_hc_pre_routes_when_asked_in_the_interpreter():
+    """hc_pre_triton with a `RouteAhead` (its coefficients in the same stream: no side branch) gives kernel B's x
+    (to fp32 rounding), the same post and comb, and the routing that the fused router gives that x; both
+    kernels of the launch."""
+    check_in_interpreter(_SITE, default_tol=1e-5)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton; Linux only)")
 def test_kernel_in_triton_interpreter():
     """x within its dtype's rounding of the reference (fp32: 1e-5), every element of it written (the buffer

@@ -531,11 +531,12 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     else:
         ws = _mix_logits(X, fn, m, cfg)
     mix = dict(norm=norm if gram else None, gram=gram)
+    routed = (router is not None and gram and partials is not None
+              and router.fill(X, ws, base, scale, norm, x, eps=eps, norm_eps=norm_eps))
     if coeffs_branch is None:
-        _mix(X, ws, m, base, scale, x, post, comb, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, None if routed else x, post, comb, cfg, iters, eps, norm_eps, **mix)
     else:
-        if not (router is not None and gram and partials is not None
-                and router.fill(X, ws, base, scale, norm, x, eps=eps, norm_eps=norm_eps)):
+        if not routed:
             _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:
             _mix(X, ws, m, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
