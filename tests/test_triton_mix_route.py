@@ -34,14 +34,14 @@ _CASES = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     results = []
     # (N, H, E, k, scoring, bias, norm_topk, dtype, pack, x tolerance against the reference, (warps, volatile,
-    # columns): the row kernel, then the column kernel)
+    # columns[, early]): the row kernel, then the column kernel)
     cases = [(1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2, (8, True, 0)),
              (2, 512, 32, 6, "sqrtsoftplus", False, True, torch.float32, True, 1e-5, (4, False, 0)),
              (2, 96, 10, 3, "sigmoid", True, False, torch.float16, False, 2e-3, (4, True, 0)),
              (1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2, (8, True, 0)),
              (2, 512, 32, 6, "sqrtsoftplus", False, True, torch.float32, True, 1e-5, (8, True, 64)),
              (2, 96, 10, 3, "sigmoid", True, False, torch.float16, False, 2e-3, (4, False, 64)),
-             (1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2, (8, False, 32))]
+             (1, 256, 16, 2, "sqrtsoftplus", True, True, torch.bfloat16, True, 1e-2, (8, False, 32, False))]
     for n, h, e, k, scoring, has_bias, norm_topk, dt, pack, tol, variant in cases:
         hc = 4
         m = (2 + hc) * hc

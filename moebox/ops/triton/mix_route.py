@@ -49,8 +49,8 @@ from typing import Sequence
 import torch
 
 from moebox.ops.triton.route import _counter, _routable, _routing_constants
-from moebox.ops.triton.runtime import (HAVE_TRITON, early_loads, env_count, next_pow2, pdl_args, pdl_start,  # noqa: F401
-                                       tl, triton)
+from moebox.ops.triton.runtime import (HAVE_TRITON, early_loads, env_count, next_pow2, pdl_args,  # noqa: F401
+                                       pdl_start, tl, triton)
 
 MIX_ROUTE_TOKENS = 0      # up to this many tokens a decode FFN site takes the one launch (MOEBOX_MIX_ROUTE=N)
 ROWS = 2                  # experts a program computes, as the fused router's ROUTER_ROWS
@@ -61,11 +61,13 @@ class MixRouteConfig:
     """The launch's variants: warps a program; whether X and the partials are volatile loads (one burst in
     order, as kernel B's) or plain ones (which ptxas may reorder and cache); and the grid: the row kernel (a
     program = 2 experts over the whole row, as the fused router) or the column kernel (a program = every expert's
-    partial logit over `columns` columns, the token's last program summing them)."""
+    partial logit over `columns` columns, the token's last program summing them); whether the gate is loaded
+    before the wait (its programs then load 2 MB of gate during hc_post, which the router did during kernel B)."""
 
     num_warps: int = 8
     volatile: bool = True
     columns: int = 0          # 0: the row kernel; else the column kernel with this many columns a program
+    early: bool = True        # the gate's loads before the PDL wait (where `early_loads` allows), else after
 
 if HAVE_TRITON:
     from moebox.ops.triton.mhc import _row_mean_square
@@ -262,8 +264,8 @@ def mix_route_triton(X: torch.Tensor, partials: torch.Tensor, base: torch.Tensor
     logits = torch.empty((n, e), dtype=torch.float32, device=X.device)
     common = dict(HC=hc, HC_PAD=next_pow2(hc), M=m, W_PAD=ws.shape[2], S_PAD=next_pow2(ws.shape[1]),
                   **_routing_constants(e, router.bias, router.top_k, router.scoring_func, router.norm_topk_prob),
-                  TERMS=_TERMS[X.dtype] if pack else 0, VOLATILE=config.volatile, EARLY=early_loads(n),
-                  num_warps=config.num_warps)
+                  TERMS=_TERMS[X.dtype] if pack else 0, VOLATILE=config.volatile,
+                  EARLY=config.early and early_loads(n), num_warps=config.num_warps)
     bias = x if router.bias is None else router.bias
     packed = x if xp is None else xp.view(torch.int16)
     if config.columns:
@@ -330,7 +332,7 @@ def mix_route_reference(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
 BENCH_CONFIGS = (MixRouteConfig(), MixRouteConfig(volatile=False), MixRouteConfig(4), MixRouteConfig(16),
                  MixRouteConfig(16, False), MixRouteConfig(8, True, 64), MixRouteConfig(8, False, 64),
                  MixRouteConfig(4, True, 64), MixRouteConfig(8, True, 128), MixRouteConfig(16, True, 128),
-                 MixRouteConfig(8, True, 32))
+                 MixRouteConfig(8, True, 32), MixRouteConfig(early=False), MixRouteConfig(8, True, 64, early=False))
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 2),
@@ -379,7 +381,7 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 2),
             us = graph_us(each_copy(lambda i, c=config: site(i, c), copies))
             name = "kernel B + router" if config is None else (
                 f"one launch, {f'{config.columns} columns' if config.columns else 'rows'}, {config.num_warps} warps, "
-                + ("volatile" if config.volatile else "plain loads"))
+                + ("volatile" if config.volatile else "plain loads") + ("" if config.early else ", gate late"))
             rows.append(dict(N=n, variant=name, us=us, same_routing=same))
             print(f"N={n} {name:50s} {us:7.2f} us   routing {'same' if same else 'DIFFERS'}", flush=True)
         del sites, outs, routers
