@@ -150,6 +150,27 @@ def test_builds_for_sm90_with_its_weights_before_the_wait(kernel: str):
     assert before[False] >= 4 and before[True] > before[False]     # the gate rows too when early
 
 
+_BENCH = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from moebox.ops.triton import mix_route as kernel
+    ran = []
+    rows = kernel.bench("cpu", tokens=(1, 2), configs=(kernel.MixRouteConfig(), kernel.MixRouteConfig(8, False, 64)),
+                        copies=2, hidden=256, experts=16, timer=lambda calls: [c() for c in calls] and ran.append(1) or 0)
+    assert len(rows) == 2 * 5 and len(ran) == 10, rows
+    assert [r["same_routing"] for r in rows] == [None, None, True, True, True] * 2, rows
+    print("OK")
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_site_bench_runs_every_variant_to_the_routers_routing():
+    """`bench`'s chains in the interpreter at a small shape, a clock that only runs them: each variant routes
+    the first site as kernel B + the fused router do (what its printed check says on the GPU)."""
+    from tests.interpreter import run_in_interpreter
+    assert "OK" in run_in_interpreter(_BENCH)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_what_it_refuses():
     from moebox.ops.triton.mix_route import Router, mix_route_supported, mix_route_triton

@@ -44,7 +44,7 @@ the packing); the tests check the kernel against it in Triton's interpreter and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -336,34 +336,44 @@ BENCH_CONFIGS = (MixRouteConfig(), MixRouteConfig(volatile=False), MixRouteConfi
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 2),
-          configs: Sequence[MixRouteConfig] = BENCH_CONFIGS, copies: int = 48) -> list[dict]:
+          configs: Sequence[MixRouteConfig] = BENCH_CONFIGS, copies: int = 48, hidden: int = 4096,
+          experts: int = 256, timer: Callable[[list], float] | None = None) -> list[dict]:
     """A decode FFN site's main-stream chain at V4-Flash size (bf16 streams [N, 4, 4096], E 256, k 6), us a site:
     hc_post writing the partials, then either kernel B's x (its coefficients on their side stream, as the model
-    runs them) and the fused router, or this launch with each config; `copies` sites on distinct inputs captured
-    back to back in one CUDA graph (fn, the gate and X past L2, as consecutive layers). Prints a table (with
-    whether each variant's routing equals the router's on the first site); returns its rows."""
+    runs them) and the fused router, or this launch with each config; and two bounds: hc_post alone, and hc_post
+    then the router on an x computed before (what the drop probe's `mixffn` leaves). `copies` sites on distinct
+    inputs captured back to back in one CUDA graph (fn, the gate and X past L2, as consecutive layers). Prints a
+    table (with whether each variant's routing equals the router's on the first site); returns its rows.
+    hidden, experts, timer (`graph_us` by default): smaller shapes and another clock, for a check on the CPU."""
     from moebox.ops.streams import Branch
     from moebox.ops.triton.mhc import hc_post_chain_triton, hc_pre_triton, random_site
     from moebox.ops.triton.route import router_route_triton
     from moebox.ops.triton.runtime import each_copy, graph_us
     device = torch.device(device)
     kw = dict(iters=20, eps=1e-6, norm_eps=1e-6)
-    print(f"FFN site chain, V4-Flash shapes, {copies} sites a graph; us a site", flush=True)
+    timer = timer or graph_us
+    print(f"FFN site chain, H {hidden}, E {experts}, {copies} sites a graph; us a site", flush=True)
     rows = []
     for n in tokens:
-        sites = [random_site(n, device=device, seed=i) for i in range(copies)]
+        sites = [random_site(n, hidden=hidden, device=device, seed=i) for i in range(copies)]
         g = torch.Generator(device=device).manual_seed(1000 + n)
-        outs = [torch.randn((n, 4096), generator=g, device=device).bfloat16() for _ in range(copies)]
+        outs = [torch.randn((n, hidden), generator=g, device=device).bfloat16() for _ in range(copies)]
         post = torch.rand((n, 4), generator=g, device=device) * 2
         comb = torch.softmax(torch.randn((n, 4, 4), generator=g, device=device), dim=-1)
-        norm = (1 + 0.1 * torch.randn(4096, generator=g, device=device)).bfloat16()
-        routers = [Router((torch.randn((256, 4096), generator=g, device=device) / 64).bfloat16(),
-                          torch.randn(256, generator=g, device=device) * 0.05, 6, "sqrtsoftplus", True, 2.5)
+        norm = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).bfloat16()
+        routers = [Router((torch.randn((experts, hidden), generator=g, device=device) / hidden ** 0.5).bfloat16(),
+                          torch.randn(experts, generator=g, device=device) * 0.05, 6, "sqrtsoftplus", True, 2.5)
                    for _ in range(copies)]
 
-        def site(i: int, config: MixRouteConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = [torch.randn((n, hidden), generator=g, device=device).bfloat16() for _ in range(copies)]
+
+        def site(i: int, config: MixRouteConfig | str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
             X, fn, base, scale = sites[i]
             X_new, ws = hc_post_chain_triton(outs[i], X, post, comb, next_fn=fn)
+            if config == "post":
+                return None
+            if config == "router":
+                return router_route_triton(xs[i], routers[i].gate, routers[i].bias, **routers[i].routing())
             coeffs = Branch(X_new, "mhc", purpose="mhc")
             ahead = None if config is None else RouteAhead(routers[i], pack=True, config=config)
             x, _, _ = hc_pre_triton(X_new, fn, base, scale, **kw, coeffs_branch=coeffs if coeffs.on else None,
@@ -375,17 +385,21 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 2),
             coeffs.join()
             return ids, w
 
+        bounds = {"post": "bound: hc_post alone", "router": "bound: hc_post, router on a given x"}
         want = site(0, None)[0].sort(dim=1)[0]
-        for config in (None, *configs):
-            same = torch.equal(site(0, config)[0].sort(dim=1)[0], want)
-            us = graph_us(each_copy(lambda i, c=config: site(i, c), copies))
-            name = "kernel B + router" if config is None else (
+        for config in ("post", "router", None, *configs):
+            got = site(0, config)
+            same = None if config in bounds else torch.equal(got[0].sort(dim=1)[0], want)
+            us = timer(each_copy(lambda i, c=config: site(i, c), copies))
+            name = bounds.get(config) if isinstance(config, str) else "kernel B + router" if config is None else (
                 f"one launch, {f'{config.columns} columns' if config.columns else 'rows'}, {config.num_warps} warps, "
                 + ("volatile" if config.volatile else "plain loads") + ("" if config.early else ", gate late"))
             rows.append(dict(N=n, variant=name, us=us, same_routing=same))
-            print(f"N={n} {name:50s} {us:7.2f} us   routing {'same' if same else 'DIFFERS'}", flush=True)
-        del sites, outs, routers
-        torch.cuda.empty_cache()
+            check = "" if same is None else f"   routing {'same' if same else 'DIFFERS'}"
+            print(f"N={n} {name:50s} {us:7.2f} us{check}", flush=True)
+        del sites, outs, routers, xs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
