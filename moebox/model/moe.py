@@ -71,11 +71,12 @@ class MoE:
         None otherwise."""
         if self.tid2eid is not None or X.dim() != 3:
             return None
-        from moebox.ops.triton import route as kernel
         from moebox.ops.triton.mix_route import RouteAhead, Router, mix_route_tokens
+        if X.shape[0] > mix_route_tokens():          # off by default: nothing more to decide
+            return None
+        from moebox.ops.triton import route as kernel
         x = X[:, 0]
-        if not (X.shape[0] <= mix_route_tokens() and kernel_switched_on(x, "MOEBOX_ROUTE_KERNEL")
-                and self._fused_router_takes(x, kernel)):
+        if not (kernel_switched_on(x, "MOEBOX_ROUTE_KERNEL") and self._fused_router_takes(x, kernel)):
             return None
         cfg = self.cfg
         pack = False

@@ -70,9 +70,9 @@ class MixRouteConfig:
     early: bool = True        # the gate's loads before the PDL wait (where `early_loads` allows), else after
 
 if HAVE_TRITON:
-    from moebox.ops.triton.mhc import _row_mean_square
+    from moebox.ops.triton.mhc import _normed_mix, _trace
     from moebox.ops.triton.route import _bias, _route_if_last, _route_row
-    from moebox.ops.triton.w2_moe import _pair_slot, _store_bf16_terms
+    from moebox.ops.triton.w2_moe import _store_packed
 
     @triton.jit
     def _after_wait(ptrs, mask, VOLATILE: tl.constexpr):
@@ -82,14 +82,26 @@ if HAVE_TRITON:
         return tl.load(ptrs, mask=mask, other=0.0)
 
     @triton.jit
+    def _site_weights(base_ptr, scale_ptr, norm_ptr, offs_j, mj, cols, mh):
+        """The site's weights a program reads before its PDL wait, fp32: pre's base [HC_PAD] and scale, and the
+        norm weight's columns `cols`."""
+        return (tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32), tl.load(scale_ptr).to(tl.float32),
+                tl.load(norm_ptr + cols, mask=mh, other=0.0).to(tl.float32))
+
+    @triton.jit
+    def _pre(lin_w, sumsq, s_pre, b_pre, K, eps, norm_eps):
+        """pre [HC_PAD] from the partials' pre logits lin_w [S_PAD, HC_PAD] and the streams' sum of squares over
+        their K values, as kernel B: sigmoid(sum of the logits * rsqrt(sumsq / K + eps) * scale + base) + eps."""
+        rs = 1.0 / tl.sqrt(sumsq / K + norm_eps)
+        return tl.sigmoid(tl.sum(lin_w, axis=0) * rs * s_pre + b_pre) + eps
+
+    @triton.jit
     def _store_x(x_row, xp_row, cols, x, mask, H, TERMS: tl.constexpr):
         """x's columns `cols` (where mask) into its row, and (TERMS > 0) into its packed row as `_pack_x_kernel`
-        lays it out: column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1."""
+        lays it out."""
         tl.store(x_row + cols, x, mask=mask)
         if TERMS:
-            c = cols % 16
-            pos = 2 * _pair_slot(cols // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
-            _store_bf16_terms(xp_row, pos, x.to(tl.float32), TERMS, H, mask)
+            _store_packed(xp_row, cols, x.to(tl.float32), TERMS, H, mask)
 
     @triton.jit
     def _mix_router_cols_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, norm_ptr, g_ptr, bias_ptr, x_ptr, xp_ptr,
@@ -117,9 +129,7 @@ if HAVE_TRITON:
         g_cols = g_ptr + offs_e.to(tl.int64)[:, None] * stride_ge + cols[None, :]
         mg = me[:, None] & mh[None, :]
         bias = _bias(bias_ptr, E, BLOCK_E, HAS_BIAS)
-        b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
-        s_pre = tl.load(scale_ptr).to(tl.float32)
-        wn = tl.load(norm_ptr + cols, mask=mh, other=0.0).to(tl.float32)
+        b_pre, s_pre, wn = _site_weights(base_ptr, scale_ptr, norm_ptr, offs_j, mj, cols, mh)
         if EARLY:
             g = tl.load(g_cols, mask=mg, other=0.0)
         pdl_start(PDL)
@@ -133,17 +143,8 @@ if HAVE_TRITON:
         valid = mj[:, None] & mj[None, :]
         g_w = _after_wait(ws_n[:, None, None] + M + jk[None, :, :], ms[:, None, None] & valid[None, :, :], VOLATILE)
         G = tl.sum(g_w, axis=0)
-        sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], G, 0.0), axis=1), axis=0)
-        rs = 1.0 / tl.sqrt(sumsq / (HC * H) + norm_eps)
-        pre = tl.sigmoid(tl.sum(lin_w, axis=0) * rs * s_pre + b_pre) + eps
-        x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0)
-        pm = tl.where(mj, pre, 0.0)
-        q = pm[:, None] * G * pm[None, :]
-        ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
-        if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:   # cancels: as kernel B
-            ms_x = _row_mean_square(X_n, pre, offs_j, mj, H, BLOCK_C)
-        x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * wn
-        x = x.to(x_ptr.dtype.element_ty)
+        pre = _pre(lin_w, _trace(G, offs_j), s_pre, b_pre, HC * H, eps, norm_eps)
+        x = _normed_mix(Xt, pre, G, wn, X_n, offs_j, mj, H, norm_eps, BLOCK_C).to(x_ptr.dtype.element_ty)
         _store_x(x_ptr + n * stride_xn, xp_ptr + n * (TERMS * H), cols, x, mh, H, TERMS)
         part = tl.sum(g.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         tl.store(part_ptr + (n * P + p) * E + offs_e, part, mask=me)
@@ -179,9 +180,7 @@ if HAVE_TRITON:
         ms = offs_s < SPLIT
         g_rows = g_ptr + rows.to(tl.int64)[:, None] * stride_ge + cols[None, :]
         bias = _bias(bias_ptr, E, BLOCK_E, HAS_BIAS)
-        b_pre = tl.load(base_ptr + offs_j, mask=mj, other=0.0).to(tl.float32)
-        s_pre = tl.load(scale_ptr).to(tl.float32)
-        wn = tl.load(norm_ptr + cols, mask=mh, other=0.0).to(tl.float32)
+        b_pre, s_pre, wn = _site_weights(base_ptr, scale_ptr, norm_ptr, offs_j, mj, cols, mh)
         if EARLY:
             g = tl.load(g_rows, mask=mh[None, :], other=0.0)
         pdl_start(PDL)
@@ -194,8 +193,7 @@ if HAVE_TRITON:
         m2 = ms[:, None] & mj[None, :]
         lin_w = _after_wait(ws_n[:, None] + offs_j[None, :], m2, VOLATILE)
         diag_w = _after_wait(ws_n[:, None] + M + offs_j[None, :] * (HC + 1), m2, VOLATILE)
-        rs = 1.0 / tl.sqrt(tl.sum(tl.sum(diag_w, axis=1), axis=0) / (HC * H) + norm_eps)
-        pre = tl.sigmoid(tl.sum(lin_w, axis=0) * rs * s_pre + b_pre) + eps
+        pre = _pre(lin_w, tl.sum(tl.sum(diag_w, axis=1), axis=0), s_pre, b_pre, HC * H, eps, norm_eps)
         x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0).to(X_ptr.dtype.element_ty).to(tl.float32)
         x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + norm_eps)) * wn
         x = x.to(x_ptr.dtype.element_ty)

@@ -476,10 +476,15 @@ if HAVE_TRITON:
         n = tl.program_id(0)
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + k).to(tl.float32)
+        _store_packed(xp_ptr + n.to(tl.int64) * (T * KW * 16), k, v, T, KW * 16, None)
+
+    @triton.jit
+    def _store_packed(xp_row, k, v, T: tl.constexpr, H, mask):
+        """Columns k of one row of x (v fp32) into its packed row (int16 view, T terms of H each) in the pair
+        layout: column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1."""
         c = k % 16
-        # column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1
         pos = 2 * _pair_slot(k // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
-        _store_bf16_terms(xp_ptr, n.to(tl.int64) * (T * KW * 16) + pos, v, T, KW * 16, None)
+        _store_bf16_terms(xp_row, pos, v, T, H, mask)
 
     @triton.jit
     def _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, u, LAST: tl.constexpr):
