@@ -64,10 +64,9 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
         return q, qi
     if _kernel_takes(q, qi):
         from moebox.ops.triton.rope import query_rope_triton""")],
-    "router": [_wrap("moebox/model/moe.py", "            idx, w = ", "self.route(x, tokens)", "router", LAYER_KEY)],
-    "experts": [_wrap("moebox/model/moe.py", "        out = ", "self.routed(x, tokens, ahead)", "experts", LAYER_KEY),
-                _wrap("moebox/model/moe.py", "            return ", "self.routed(x, tokens, ahead)", "experts",
-                      LAYER_KEY)],
+    "router": [_wrap("moebox/model/moe.py", "        idx, w = ", "self.route(x, tokens)", "router", LAYER_KEY)],
+    "experts": [_wrap("moebox/model/moe.py", "        out = ", "self.routed(x, tokens)", "experts", LAYER_KEY),
+                _wrap("moebox/model/moe.py", "            return ", "self.routed(x, tokens)", "experts", LAYER_KEY)],
     "shared": [_wrap("moebox/model/moe.py", "            shared = ", "self.shared_expert(x)", "shared", LAYER_KEY)],
     "attn": [_wrap("moebox/model/attention.py", "            out = ",
                    "self._attend_decode(batch, q, idx, stored, cache, raw)", "attn", ATTN_KEY)],
@@ -80,21 +79,18 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
     # mHC's hc_pre at each site (its coefficients' side stream off with it) and hc_post
     "mix": [("moebox/model/block.py", """        coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
         x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials,
-                               router=router)""",
+                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)""",
              """        coeffs = Branch(X, "mhc", enabled=decode and "mix" not in DROP, purpose="mhc")
         x, post, comb = cached("mix", (id(self), id(hc), X.shape[0]), lambda: hc_pre(
             X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-            coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials,
-            router=None if "mix" in DROP else router))""")],
+            coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials))""")],
     # kernel B's x programs alone (the main stream's launch of hc_pre; the coefficients' side launch stays): x
-    # is then a cached random tensor of the site's shape; mixffn: at the FFN sites only (where the FFN site's one
-    # launch of x and routing does not take them: MOEBOX_MIX_ROUTE=0)
-    "mixx": [("moebox/ops/triton/mhc.py", """            _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
-        with coeffs_branch:""", """            if mix_part() in DROP and X.is_cuda:
-                x = cached(mix_part(), (n, hidden), lambda: torch.randn_like(x))
-            else:
-                _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+    # is then a cached random tensor of the site's shape; mixffn: at the FFN sites only
+    "mixx": [("moebox/ops/triton/mhc.py", """        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        with coeffs_branch:""", """        if mix_part() in DROP and X.is_cuda:
+            x = cached(mix_part(), (n, hidden), lambda: torch.randn_like(x))
+        else:
+            _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:""")],
     # kernel B's x launch at one site kind: the mixx hook above, by the site marker this patch sets
     "mixffn": [("moebox/model/block.py", """        cfg = self.cfg

@@ -66,14 +66,14 @@ def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, o
     """Captured decode steps (padded to the captured batch size, spare rows on the scratch slot) give the logits
     of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; with the side
     streams (every Branch forks and joins inside the captured step) and without; with the side streams' priority,
-    the early fork, the key store and router kernels, the rank top-k and the FFN site's one launch of x and
-    routing off (they are on by default at these batch sizes)."""
+    the early fork, the key store and router kernels and the rank top-k off (they are on by default at these
+    batch sizes)."""
     from moebox.model.batch import DecodeBatch
     from moebox.runtime.graphs import DecodeGraphs
     if overlap == "switches off":
         overlap = "1"
         for switch in ("MOEBOX_EARLY_FORK", "MOEBOX_SIDE_PRIORITY", "MOEBOX_KEYS_KERNEL", "MOEBOX_ROUTER_KERNEL",
-                       "MOEBOX_TOPK_RANK", "MOEBOX_MIX_ROUTE"):
+                       "MOEBOX_TOPK_RANK"):
             monkeypatch.setenv(switch, "0")
     monkeypatch.setenv("MOEBOX_OVERLAP", overlap)
     model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",

@@ -49,8 +49,6 @@ READ_BEFORE_WAIT = {
     "fp8_mma.py:_fp8_mma_kernel": {"w_ptr", "s_ptr"},
     "mhc.py:_mix_kernel": {"base_ptr", "scale_ptr", "norm_ptr"},
     "mhc.py:_post_kernel": {"fn_ptr"},
-    "mix_route.py:_mix_router_cols_kernel": {"g_ptr", "bias_ptr", "base_ptr", "scale_ptr", "norm_ptr"},
-    "mix_route.py:_mix_router_kernel": {"g_ptr", "bias_ptr", "base_ptr", "scale_ptr", "norm_ptr"},
     "route.py:_route_kernel": {"bias_ptr"},
     "route.py:_router_route_kernel": {"g_ptr", "bias_ptr"},
     "w2_moe.py:_down_mma_kernel": {"w2c_ptr", "w2s_ptr", "ids_ptr"},

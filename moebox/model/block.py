@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -13,9 +13,6 @@ from moebox.model.cache import LayerCache
 from moebox.model.moe import MoE
 from moebox.ops.mhc import hc_post_chain, hc_pre
 from moebox.ops.streams import Branch
-
-if TYPE_CHECKING:
-    from moebox.ops.triton.mix_route import RouteAhead
 
 
 class Block:
@@ -36,25 +33,21 @@ class Block:
         decode = isinstance(batch, DecodeBatch)
         X, partials = self._site(X, self.hc_attn, self.attn_norm, lambda x: (self.attn(x, batch, cache), None),
                                  decode, partials, self.hc_ffn[0])
-        ahead = self.ffn.route_ahead(X) if decode else None
-        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x: self.ffn.parts(x, batch.tokens, ahead), decode,
-                          partials, self.next_fn, ahead)
+        return self._site(X, self.hc_ffn, self.ffn_norm, lambda x: self.ffn.parts(x, batch.tokens), decode,
+                          partials, self.next_fn)
 
     def _site(self, X: torch.Tensor, hc: tuple[torch.Tensor, ...], norm: torch.Tensor,
               sub_block: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]], decode: bool,
-              partials: torch.Tensor | None, next_fn: torch.Tensor | None, router: RouteAhead | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              partials: torch.Tensor | None, next_fn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One mHC site around a sub-block: hc_pre with the sub-block's RMSNorm, the sub-block (its output: one
         tensor or two to add), hc_post. At decode mHC's post/comb (the Sinkhorn chain) run on a side stream next
         to the sub-block, joined before hc_post, and the site is two launches of mHC: hc_pre reads `partials`
         (the logits and norms of X, which the hc_post before wrote), and hc_post writes those of the next
-        site's fn `next_fn` (None: the last site of the model, whose head computes its own). `router`: the FFN
-        site's request that hc_pre route in x's launch too (`MoE.route_ahead`)."""
+        site's fn `next_fn` (None: the last site of the model, whose head computes its own)."""
         cfg = self.cfg
         coeffs = Branch(X, "mhc", enabled=decode, purpose="mhc")
         x, post, comb = hc_pre(X, *hc, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
-                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials,
-                               router=router)
+                               coeffs_branch=coeffs if coeffs.on else None, norm=norm, partials=partials)
         out, addend = sub_block(x)
         coeffs.join()
         return hc_post_chain(out, X, post, comb, addend=addend, next_fn=next_fn if decode else None)

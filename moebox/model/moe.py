@@ -7,7 +7,7 @@ batch on CUDA also routes in one Triton kernel."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -17,9 +17,6 @@ from moebox.ops.linear import SharedInputLinear, linear, logits_linear
 from moebox.ops.moe import route, route_from_logits, routed_experts, swiglu
 from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
-
-if TYPE_CHECKING:
-    from moebox.ops.triton.mix_route import RouteAhead
 
 
 DECODE_TOKENS = 16     # up to this many tokens, w2 experts on CUDA run the fused Triton decode kernels
@@ -51,41 +48,17 @@ class MoE:
         out, shared = self.parts(x, tokens)
         return out if shared is None else out + shared
 
-    def parts(self, x: torch.Tensor, tokens: torch.Tensor, ahead: RouteAhead | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def parts(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the routed experts' output, the shared expert's or None): their sum is the layer's output, which the
-        block's hc_post adds in its own launch. `ahead`: `route_ahead`'s, as the site's hc_pre left it."""
+        block's hc_post adds in its own launch."""
         if self.shared_in is None:
-            return self.routed(x, tokens, ahead), None
+            return self.routed(x, tokens), None
         # at decode the shared expert runs on a side stream next to the routing and the routed experts
         with Branch(x, "moe", reads=(x,), enabled=x.shape[0] <= DECODE_TOKENS) as shared_branch:
             shared = self.shared_expert(x)
-        out = self.routed(x, tokens, ahead)
+        out = self.routed(x, tokens)
         shared_branch.join()
         return out, shared
-
-    def route_ahead(self, X: torch.Tensor) -> RouteAhead | None:
-        """The request that the FFN site's hc_pre route this layer in x's launch (moebox/ops/triton/mix_route.py)
-        for streams X [N, hc, H] on CUDA (or the interpreter's CPU): a scored layer whose decode routing takes the
-        fused router, up to `mix_route_tokens()` tokens; x is packed there too where the w2 mma kernels read it.
-        None otherwise."""
-        if self.tid2eid is not None or X.dim() != 3:
-            return None
-        from moebox.ops.triton.mix_route import RouteAhead, Router, mix_route_tokens
-        if X.shape[0] > mix_route_tokens():          # off by default: nothing more to decide
-            return None
-        from moebox.ops.triton import route as kernel
-        x = X[:, 0]
-        if not (kernel_switched_on(x, "MOEBOX_ROUTE_KERNEL") and self._fused_router_takes(x, kernel)):
-            return None
-        cfg = self.cfg
-        pack = False
-        if self.layer_planes is not None:
-            from moebox.ops.triton.w2_moe import layer_views, takes_packed_x
-            views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
-            pack = takes_packed_x(X.dtype, views[0], views[2], views[4])
-        return RouteAhead(Router(self.gate, self.bias, cfg.num_experts_per_tok, cfg.scoring_func,
-                                 cfg.norm_topk_prob, cfg.routed_scaling_factor), pack)
 
     def route(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [N, k], weights [N, k] fp32). A decode batch of a scored layer on CUDA routes its logits in
@@ -115,22 +88,15 @@ class MoE:
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.gate.requires_grad))
                 and kernel.router_supported(x, self.gate, self.cfg.scoring_func, self.cfg.num_experts_per_tok))
 
-    def routed(self, x: torch.Tensor, tokens: torch.Tensor, ahead: RouteAhead | None = None) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         kernels = self.layer_planes is not None and x.is_cuda
-        routed_ahead = ahead is not None and ahead.ids is not None
         if kernels:
             from moebox.ops.triton.w2_moe import layer_views, pack_x_ahead, w2_moe_decode_split
             views = layer_views(self.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
             decode = x.shape[0] <= DECODE_TOKENS
-            if routed_ahead and ahead.packed is not None:
-                packed = ahead.packed
-            else:                                                                          # beside the routing
-                packed = pack_x_ahead(x, views[0], views[2], views[4]) if decode else None
-        if routed_ahead:
-            idx, w = ahead.ids, ahead.weights
-        else:
-            idx, w = self.route(x, tokens)
+            packed = pack_x_ahead(x, views[0], views[2], views[4]) if decode else None   # beside the routing
+        idx, w = self.route(x, tokens)
         if self.on_route is not None:
             self.on_route(idx)
         reference = lambda: routed_experts(x, idx, w, self.experts.__getitem__, cfg.swiglu_limit)  # noqa: E731

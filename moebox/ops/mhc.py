@@ -9,7 +9,6 @@ on CUDA) the references run compiled (`fused`): the Sinkhorn loop is ~100 tiny o
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +16,6 @@ import torch.nn.functional as F
 from moebox.ops.fuse import fused
 from moebox.ops.norm import rms_norm, rms_norm_reference
 from moebox.ops.streams import Branch
-
-if TYPE_CHECKING:
-    from moebox.ops.triton.mix_route import RouteAhead
 
 
 def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | None:
@@ -36,17 +32,15 @@ def _fused(X: torch.Tensor, out: torch.Tensor | None = None) -> ModuleType | Non
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int, eps: float,
            norm_eps: float, coeffs_branch: Branch | None = None, norm: torch.Tensor | None = None,
-           partials: torch.Tensor | None = None, router: RouteAhead | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """X [N, hc, H] -> (sub-block input [N, H], post [N, hc] fp32, comb [N, hc, hc] fp32). The fused path
     computes post and comb on `coeffs_branch`'s side stream when it is on: use them after its join().
     `norm`: the sub-block's RMSNorm weight; the input comes back normed, rms_norm(x, norm, norm_eps) (at
     decode the fused path does it in the same launch). `partials`: what `hc_post_chain` returned for this
-    site's fn (the fused path's; None: computed here). `router`: an FFN site's MoE router, which the fused
-    decode path may run in x's launch (it then holds the routing; elsewhere it stays empty)."""
+    site's fn (the fused path's; None: computed here)."""
     if (f := _fused(X)) is not None:
         return f.hc_pre_triton(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps,
-                               coeffs_branch=coeffs_branch, norm=norm, partials=partials, router=router)
+                               coeffs_branch=coeffs_branch, norm=norm, partials=partials)
     x, post, comb = hc_pre_reference(X, fn, base, scale, iters=iters, eps=eps, norm_eps=norm_eps)
     return (x if norm is None else rms_norm(x, norm, norm_eps)), post, comb
 

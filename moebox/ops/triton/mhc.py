@@ -86,7 +86,7 @@ CUDA graphs: a call allocates its outputs (unless given `into`) and the scratch 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
@@ -97,9 +97,6 @@ from moebox.ops.streams import Branch
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, cdiv, each_copy, early_loads,  # noqa: F401
                                        env_count, graph_us, next_pow2, num_sms, pdl_args, pdl_start, rel_err,
                                        tl, triton)
-
-if TYPE_CHECKING:
-    from moebox.ops.triton.mix_route import RouteAhead
 
 __all__ = ["HcConfig", "PostConfig", "pick_config", "resolve_config", "fused_supported", "hc_pre_triton",
            "hc_post_triton", "hc_head_triton", "hc_pre_reference", "hc_post_reference", "hc_head_reference",
@@ -510,7 +507,7 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                   eps: float, norm_eps: float, into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                   config: HcConfig | None = None, coeffs_branch: Branch | None = None,
                   norm: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-                  router: RouteAhead | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused hc_pre: X [N, hc, H] -> (x [N, H] in X's dtype, post [N, hc] fp32, comb [N, hc, hc] fp32), as
     `hc_pre_reference`. `into` = (x, post, comb) buffers to fill (every element written). Runs on CUDA, or on
     CPU tensors under TRITON_INTERPRET=1. `coeffs_branch`: post and comb, which only hc_post needs, are a
@@ -519,10 +516,7 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     comb after the branch's join().
     `norm`: x comes out as rms_norm(x, norm, norm_eps). At decode sizes (`chain_takes`) kernel B does it from
     Gram partials, which `partials` (from `hc_post_chain_triton` with this site's fn) brings along, so hc_pre
-    is then that one launch (else `hc_partials_triton` computes them first); larger N norm apart.
-    `router` (an FFN site at decode, with the chain's partials and coeffs_branch): x comes from the one launch
-    that also routes (moebox/ops/triton/mix_route.py) where it takes the streams; `router` then holds the
-    routing."""
+    is then that one launch (else `hc_partials_triton` computes them first); larger N norm apart."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     X = _streams(X)
@@ -545,13 +539,10 @@ def hc_pre_triton(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     else:
         ws = _mix_logits(X, fn, m, cfg)
     mix = dict(norm=norm if gram else None, gram=gram)
-    routed = (router is not None and gram and partials is not None
-              and router.fill(X, ws, base, scale, norm, x, eps=eps, norm_eps=norm_eps))
     if coeffs_branch is None:
-        _mix(X, ws, m, base, scale, None if routed else x, post, comb, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, post, comb, cfg, iters, eps, norm_eps, **mix)
     else:
-        if not routed:
-            _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
+        _mix(X, ws, m, base, scale, x, None, None, cfg, iters, eps, norm_eps, **mix)
         with coeffs_branch:
             _mix(X, ws, m, base, scale, None, post, comb, cfg, iters, eps, norm_eps, gram=gram)
         coeffs_branch.hold(ws)

@@ -177,9 +177,9 @@ _counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and 
 
 
 def _counter(device: torch.device, programs: int, tokens: int) -> torch.Tensor:
-    """The per-token counters [ROUTER_MAX_TOKENS] int64 of last-arriver kernels with `programs` programs a token
-    (one set per device and program count, shared by the kernels that count in that quantum: they run one after
-    another on a stream, each leaving every counter a multiple of `programs`)."""
+    """The per-token counters [ROUTER_MAX_TOKENS] int64 of the last-arriver kernel with `programs` programs a
+    token (one set per device and program count: its calls run one after another on a stream, each leaving every
+    counter a multiple of `programs`)."""
     if tokens > ROUTER_MAX_TOKENS:
         raise ValueError(f"at most {ROUTER_MAX_TOKENS} tokens a call, got {tokens}")
     key = (device, programs)

@@ -441,14 +441,14 @@ if HAVE_TRITON:
         return tl.sum(v_lo * x_lo + v_hi * x_hi, axis=2)
 
     @triton.jit
-    def _store_bf16_terms(ptr16, off, v, T: tl.constexpr, TERM_STRIDE, mask):
+    def _store_bf16_terms(ptr16, off, v, T: tl.constexpr, TERM_STRIDE):
         """v fp32 -> T bf16 terms (round to nearest even; v - sum of the terms is below 2^-8T |v|), stored
-        as int16 bit patterns at ptr16 + off + tau * TERM_STRIDE (where mask; None: everywhere)."""
+        as int16 bit patterns at ptr16 + off + tau * TERM_STRIDE."""
         r = v
         for tau in tl.static_range(T):
             b = r.to(tl.int32, bitcast=True)
             bits = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-            tl.store(ptr16 + off + tau * TERM_STRIDE, bits.to(tl.int16), mask=mask)
+            tl.store(ptr16 + off + tau * TERM_STRIDE, bits.to(tl.int16))
             r = r - (bits << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
@@ -476,15 +476,15 @@ if HAVE_TRITON:
         n = tl.program_id(0)
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + k).to(tl.float32)
-        _store_packed(xp_ptr + n.to(tl.int64) * (T * KW * 16), k, v, T, KW * 16, None)
+        _store_packed(xp_ptr + n.to(tl.int64) * (T * KW * 16), k, v, T, KW * 16)
 
     @triton.jit
-    def _store_packed(xp_row, k, v, T: tl.constexpr, H, mask):
+    def _store_packed(xp_row, k, v, T: tl.constexpr, H):
         """Columns k of one row of x (v fp32) into its packed row (int16 view, T terms of H each) in the pair
         layout: column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1."""
         c = k % 16
         pos = 2 * _pair_slot(k // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
-        _store_bf16_terms(xp_row, pos, v, T, H, mask)
+        _store_bf16_terms(xp_row, pos, v, T, H)
 
     @triton.jit
     def _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, u, LAST: tl.constexpr):
@@ -548,7 +548,7 @@ if HAVE_TRITON:
         IW: tl.constexpr = I // 16
         r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + r_out: pair r_out // 2
         _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, r_out // 2) + r_out % 2, h,
-                          TH, IW * 16, None)
+                          TH, IW * 16)
 
     @triton.jit
     def _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride, t, u,
@@ -763,18 +763,16 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
                         w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
                         w3_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
                         limit: float | None, *, out: torch.Tensor | None = None,
-                        config: DecodeConfig | None = None, packed: PackedX | torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        config: DecodeConfig | None = None, packed: PackedX | None = None) -> torch.Tensor:
     """The Triton path with w1/w3/w2 given apart (stacked tensors or zero-copy layer-buffer views).
-    `packed`: x packed already (the mma kernels then launch no packing of their own): `pack_x_ahead`'s, on a
-    side stream, or a tensor in `_empty_packed`'s layout (the FFN site's one launch, mix_route.py).
+    `packed`: `pack_x_ahead`'s x, packed on a side stream (the mma kernels then launch no packing of their own).
     `config.transpose_x` adds one small copy kernel that word-transposes x so kernel 1 reads it with
     unit stride (vector loads) instead of stride-16 gathers: which is faster is for the bench to say.
 
     x [N, H] bf16/fp16/fp32; expert_ids [N, k] integer; weights [N, k] (fp32); planes as in the module doc.
     `out` [N, H] in x's dtype (written in place, every element) or None. `config` None: `default_config(N)`.
     Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
-    xp = packed.get() if isinstance(packed, PackedX) else packed   # joined first, whatever runs or raises below
+    xp = packed.get() if packed is not None else None   # joined first, whatever runs or raises below
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     n, hidden = x.shape
