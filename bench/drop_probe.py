@@ -69,10 +69,10 @@ PATCHES: dict[str, list[tuple[str, str, str]]] = {
                 _wrap("moebox/model/moe.py", "            return ", "self.routed(x, tokens)", "experts", LAYER_KEY)],
     "shared": [_wrap("moebox/model/moe.py", "            shared = ", "self.shared_expert(x)", "shared", LAYER_KEY)],
     "attn": [_wrap("moebox/model/attention.py", "            out = ",
-                   "self._attend_decode(batch, q, selected, stored, cache, raw, query_early)", "attn", ATTN_KEY)],
+                   "self._attend_decode(batch, q, idx, stored, cache, raw)", "attn", ATTN_KEY)],
     "wqa": [_wrap("moebox/model/attention.py", "        q_a, kv = ", "self.from_x(x)", "wqa", ATTN_KEY)],
     "wqb": [_wrap("moebox/model/attention.py", "        q, *index_q = ",
-                  "q_products(q_a, norm=(self.q_norm, cfg.rms_norm_eps))", "wqb", ATTN_KEY)],
+                  "self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))", "wqb", ATTN_KEY)],
     "wo": [("moebox/model/attention.py", """        o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)""", """        return cached("wo", (id(self), n), lambda: linear(grouped_linear(
             out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups).flatten(1), self.wo_b))""")],

@@ -36,14 +36,11 @@ def test_cuda_matches_cpu(tiny_ckpt, kv_cache_dtype):
     assert top1_32 >= 0.95
 
 
-@pytest.mark.parametrize("index_branch", ["1", "0"])
-def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path, monkeypatch, index_branch):
+def test_w2_decode_kernels_in_the_model_match_the_cpu(tiny_ckpt, tmp_path):
     """Decode steps on CUDA take the shape-static DecodeBatch path (compiled attention pieces, the fused w2
     Triton kernels), and the 20-token prompt the w2 prefill kernels; the CPU runs flat batches through the torch
-    reference over the same planes. 40 decode steps pass the window and several compressor windows. With the
-    CSA layers' indexer on its own branch (MOEBOX_INDEX_BRANCH, the default) and stacked with the queries."""
+    reference over the same planes. 40 decode steps pass the window and several compressor windows."""
     from moebox.model.batch import DecodeBatch
-    monkeypatch.setenv("MOEBOX_INDEX_BRANCH", index_branch)
     ids = torch.randint(2, 320, (60,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []
     for device in ("cpu", "cuda"):
@@ -69,14 +66,14 @@ def test_decode_graphs_replay_the_eager_step(tiny_ckpt, tmp_path, monkeypatch, o
     """Captured decode steps (padded to the captured batch size, spare rows on the scratch slot) give the logits
     of the eager DecodeBatch step, and leave the sequences' cache rows as the eager step does; with the side
     streams (every Branch forks and joins inside the captured step) and without; with the side streams' priority,
-    the early fork, the key store and router kernels, the rank top-k and the indexer's own branch off (they are
-    on by default at these batch sizes)."""
+    the early fork, the key store and router kernels and the rank top-k off (they are on by default at these
+    batch sizes)."""
     from moebox.model.batch import DecodeBatch
     from moebox.runtime.graphs import DecodeGraphs
     if overlap == "switches off":
         overlap = "1"
         for switch in ("MOEBOX_EARLY_FORK", "MOEBOX_SIDE_PRIORITY", "MOEBOX_KEYS_KERNEL", "MOEBOX_ROUTER_KERNEL",
-                       "MOEBOX_TOPK_RANK", "MOEBOX_INDEX_BRANCH"):
+                       "MOEBOX_TOPK_RANK"):
             monkeypatch.setenv(switch, "0")
     monkeypatch.setenv("MOEBOX_OVERLAP", overlap)
     model, _ = load_model(tiny_ckpt, device="cuda", kv_cache_dtype="model", experts="w2",

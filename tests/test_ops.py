@@ -489,34 +489,3 @@ def test_shared_input_linear_stacks_what_it_can_and_equals_separate_products():
         torch.testing.assert_close(o, linear(x, w), rtol=1e-5, atol=1e-5)
     outs[4].sum().backward()
     assert param.grad is not None and param.grad.abs().sum() > 0
-
-
-def test_shared_input_linear_subset_is_those_products_over_the_same_memory():
-    """A subset runs only the weights asked for, in the order asked, each equal to its own product, over row views
-    of the stacked weights (FP8 data and scale rows included: no copy); weights that are not neighbours in their
-    stack are refused."""
-    from moebox.ops.linear import SharedInputLinear, linear
-    from moebox.weights.formats import QuantTensor, quant_fp8_block
-    g = torch.Generator().manual_seed(1)
-
-    def fp8(rows: int) -> QuantTensor:
-        return QuantTensor("fp8", *quant_fp8_block(torch.randn(rows, 256, generator=g)))
-
-    weights = [fp8(256), fp8(128), torch.randn(48, 256, generator=g), fp8(384), torch.randn(16, 256, generator=g)]
-    shared = SharedInputLinear(*weights)
-    x = torch.randn(2, 256, generator=g)
-    stacked = {id(w.data if isinstance(w, QuantTensor) else w): w for _, w in shared.parts}
-    for indices in [(1,), (3, 1), (2, 4), (0, 1), (4,)]:
-        sub = shared.subset(*indices)
-        outs = sub(x)
-        assert len(outs) == len(indices)
-        for o, i in zip(outs, indices):
-            torch.testing.assert_close(o, linear(x, weights[i]), rtol=1e-5, atol=1e-5)
-        for _, w in sub.parts:   # views into the stacked tensors
-            base = w.data if isinstance(w, QuantTensor) else w
-            assert any(base.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                       for t in (s.data if isinstance(s, QuantTensor) else s for s in stacked.values()))
-            if isinstance(w, QuantTensor):
-                assert w.scale.shape[0] * 128 == w.data.shape[0]
-    with pytest.raises(ValueError, match="not neighbours"):
-        shared.subset(0, 3)

@@ -132,9 +132,6 @@ class Attention:
         self.pool_from_x = SharedInputLinear(*(g(n + ".weight") for n in pool_names)) if pool_names else None
         qr_names = ["wq_b"] + (["indexer.wq_b"] if kind == CSA else [])
         self.from_qr = SharedInputLinear(*(g(n + ".weight") for n in qr_names))
-        if kind == CSA:   # the indexer's products alone, for its own branch (`_index_apart`); views, no copies
-            self.main_pool_from_x, self.index_from_x = self.pool_from_x.subset(0, 1), self.pool_from_x.subset(2, 3, 4)
-            self.q_from_qr, self.index_q_from_qr = self.from_qr.subset(0), self.from_qr.subset(1)
         theta, yarn = cfg.layer_rope(kind)
         self.inv_freq = rope_inv_freq(cfg.rope_head_dim, theta, yarn).to(self.sink.device)
         self.compressor = self.indexer = None
@@ -160,57 +157,36 @@ class Attention:
         # for kv only where it stores the keys. MOEBOX_EARLY_FORK=0 forks after kv (batch 1: +0.07 ms a step)
         keys_branch = Branch(x, "attention", reads=(x,), enabled=decode)
         early = keys_branch.on and os.environ.get("MOEBOX_EARLY_FORK", "1") == "1"
-        # CSA decode: the indexer's whole chain on a branch of its own (`_index_apart`)
-        index_branch = Branch(x, "index", reads=(x,), enabled=decode and self._index_apart(x, cache),
-                              purpose="index")
-        if index_branch.on:
-            with index_branch:
-                wi, *icomp = self.index_from_x(x)
-                ivalid = self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate,
-                                        cache.index_keys, None)
         if early:
             with keys_branch:
-                rest = self._pool_rows(x, index_branch.on)
+                rest = self._pool_rows(x)
         q_a, kv = self.from_x(x)
-        selected = None
-        if index_branch.on:
-            index_branch.hold(q_a)
-            with index_branch:
-                (qi,) = self.index_q_from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))
-                selected = self._index_rows(batch, qi, wi, ivalid, cache, raw=True)
         keys_branch.hold(kv)
         with keys_branch:
             if not early:
-                rest = self._pool_rows(x, index_branch.on)
+                rest = self._pool_rows(x)
             comp = (rest[0], rest[1]) if self.compressor else None
-            icomp = (rest[3], rest[4]) if self.indexer and not index_branch.on else None
+            icomp = (rest[3], rest[4]) if self.indexer else None
             if decode:
                 assert cache is not None, "a DecodeBatch needs a KVCache"
                 stored = self._store_decode(batch, kv, comp, icomp, cache)     # norms and rotates kv itself
             else:
                 kv = self._keys(kv, pos)
-        q_products = self.q_from_qr if index_branch.on else self.from_qr
-        q, *index_q = q_products(q_a, norm=(self.q_norm, cfg.rms_norm_eps))
+        q, *index_q = self.from_qr(q_a, norm=(self.q_norm, cfg.rms_norm_eps))
         q = q.view(n, cfg.num_heads, cfg.head_dim)
-        qi = index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim) if index_q else None
+        qi = index_q[0].view(n, cfg.index_n_heads, cfg.index_head_dim) if self.indexer is not None else None
         raw = decode and self._raw_queries(q, stored)
         if not raw:
             q, qi = query_rope(q, qi, pos, self.inv_freq, cfg.rms_norm_eps)
         idx = None
-        if qi is not None:
+        if self.indexer is not None:
             if self.qat:
                 qi = round_index_vectors(qi)
             idx = (qi, rest[2], icomp)
         keys_branch.join()
-        index_branch.join()
 
         if decode:   # the inverse RoPE applied
-            # the attention kernel reads q before its wait where the indexer's kernels ran between q's product
-            # and it on this stream, not where they ran on their branch (then wq_b is the kernel before it)
-            query_early = self.indexer is not None and selected is None
-            if self.indexer is not None and selected is None:
-                selected = self._index_rows(batch, idx[0], idx[1], stored[2], cache, raw)
-            out = self._attend_decode(batch, q, selected, stored, cache, raw, query_early)
+            out = self._attend_decode(batch, q, idx, stored, cache, raw)
         else:
             if cache is None and (t := batch.uniform_length()) is not None:
                 out = self._fresh(t, q, kv, comp, idx)
@@ -222,25 +198,11 @@ class Attention:
         o = grouped_linear(out.reshape(n, cfg.o_groups, -1), self.wo_a, cfg.o_groups)   # [N, g, o_lora_rank]
         return linear(o.flatten(1), self.wo_b)
 
-    def _pool_rows(self, x: torch.Tensor, main_only: bool = False) -> list[torch.Tensor]:
-        """The compressors' and the indexer's products of x (empty in sliding layers; `main_only`: the main
-        compressor's two), in x's dtype (on the GPU: bf16 products with fp32 accumulation); their users widen
-        them to fp32, inside the decode step's fused functions and kernels."""
-        if self.pool_from_x is None:
-            return []
-        return self.main_pool_from_x(x) if main_only else self.pool_from_x(x)
-
-    def _index_apart(self, x: torch.Tensor, cache: LayerCache | None) -> bool:
-        """Whether a CSA decode step runs the indexer on its own branch: its products of x, its compressor, its
-        query product (the indexer's wq_b, apart from wq_b's) and its top-k, beside the main stream's query
-        products and the key branch. Stacked with them, the top-k waited for all 42 MB of the query products and
-        for the key branch's main compressor (a batch-1 step's CSA layer on the H200: the scores started as wq_b
-        ended, and the attention kernel waited ~10 us more for the top-k). Where the indexer's query goes to
-        the score kernel raw (no QAT rounding), with the attention kernel's cache layout;
-        MOEBOX_INDEX_BRANCH=0 keeps it stacked."""
-        return (self.indexer is not None and not self.qat and cache is not None
-                and attention_kernel_takes(x, cache.window, cache.entries)
-                and kernel_switched_on(x, "MOEBOX_INDEX_BRANCH"))
+    def _pool_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The compressors' and the indexer's products of x (empty in sliding layers), in x's dtype (on the GPU:
+        bf16 products with fp32 accumulation); their users widen them to fp32, inside the decode step's fused
+        functions and kernels."""
+        return self.pool_from_x(x) if self.pool_from_x is not None else []
 
     def _qat_nope_dim(self) -> int | None:
         """The no-RoPE width the keys are QAT-rounded over (None without QAT)."""
@@ -381,7 +343,7 @@ class Attention:
         if self.compressor is not None:
             valid = self._compress(self.compressor, comp, batch, cache.raw_kv, cache.raw_gate, cache.entries,
                                    "kv" if self.qat else None)
-            if icomp is not None:   # else on the indexer's branch
+            if self.indexer is not None:
                 self._compress(self.indexer, icomp, batch, cache.index_raw_kv, cache.index_raw_gate,
                                cache.index_keys, "index" if self.qat else None)
         if not attention_kernel_takes(kv, cache.window, cache.entries if self.compressor else None):
@@ -400,34 +362,27 @@ class Attention:
         return (stored[0] is None and kernel_switched_on(q, "MOEBOX_QUERY_IN_ATTENTION")
                 and (every_layer or self.indexer is not None) and not (self.indexer is not None and self.qat))
 
-    def _index_rows(self, batch: DecodeBatch, qi: torch.Tensor, wi: torch.Tensor, valid: torch.Tensor,
-                    cache: LayerCache, raw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indexer's top-k entry rows of a decode step and whether each is valid ([B, k] each); `raw`: qi is
-        its product, rotated by the score kernel."""
-        cfg = self.cfg
-        qi = qi.view(qi.shape[0], cfg.index_n_heads, cfg.index_head_dim)
-        return index_select(qi, wi, self.index_scale, cache.index_keys, batch.slots, valid, cfg.index_topk,
-                            rope=(batch.positions, self.inv_freq) if raw else None)
-
-    def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, selected: tuple | None, stored: tuple,
-                       cache: LayerCache, raw: bool, query_early: bool) -> torch.Tensor:
-        """The query half of a decode step: attention over the window and the indexer's `selected` (rows, valid:
-        CSA) or all (HCA) entries, then the inverse RoPE; `stored` is what `_store_decode` returned. The kernel
-        path leaves the inverse RoPE to `attend_decode` (which can apply it in the kernel). `raw`
-        (`_raw_queries`): q is the product, normed and rotated by the kernel that reads it; `query_early`: the
-        kernel may read q before its PDL wait (`attend_decode`'s)."""
+    def _attend_decode(self, batch: DecodeBatch, q: torch.Tensor, idx, stored: tuple,
+                       cache: LayerCache, raw: bool) -> torch.Tensor:
+        """The query half of a decode step: the indexer's top-k (CSA), then attention over the window and the
+        selected (CSA) or all (HCA) entries, then the inverse RoPE; `stored` is what `_store_decode` returned.
+        The kernel path leaves the inverse RoPE to `attend_decode` (which can apply it in the kernel). `raw`
+        (`_raw_queries`): q and qi are the products, normed and rotated by the kernels that read them."""
         cfg, slot, pos = self.cfg, batch.slots, batch.positions
         scale = cfg.head_dim ** -0.5
         keys, visible, valid = stored
         entries = rows = None
         if self.compressor is not None:
-            if selected is not None:
-                rows, valid = selected
+            if self.indexer is not None:
+                qi, wi, _ = idx
+                rows, valid = index_select(qi, wi, self.index_scale, cache.index_keys, slot, valid, cfg.index_topk,
+                                           rope=(pos, self.inv_freq) if raw else None)
             entries = cache.entries
         if keys is None:
+            # the indexer's kernels run between q's product and the attention kernel: q can be read early
             return attend_decode(q, cache.window, slot, visible, self.sink, scale, entries, rows, valid,
                                  (pos, self.inv_freq), (pos, self.inv_freq, cfg.rms_norm_eps) if raw else None,
-                                 query_early)
+                                 self.indexer is not None)
         if entries is not None and rows is None:                  # HCA: every entry row
             rows = torch.arange(valid.shape[1], device=slot.device)[None, :]
         return inverse_rope(attend(q, keys, visible, self.sink, scale, entries, slot, rows, valid), pos,

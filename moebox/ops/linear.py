@@ -86,16 +86,6 @@ def _stack_rows(ws: Sequence[Weight]) -> Weight:
     return torch.cat(list(ws))
 
 
-def _row_view(w: Weight, start: int, stop: int) -> Weight:
-    """Rows [start, stop) of a stacked weight as a view (FP8: whole scale blocks, as `_stack_key` stacks them)."""
-    if (start, stop) == (0, w.shape[0]):
-        return w
-    if isinstance(w, QuantTensor):
-        b = w.block[0]
-        return QuantTensor(w.kind, w.data[start:stop], w.scale[start // b:stop // b], w.block)
-    return w[start:stop]
-
-
 class SharedInputLinear:
     """Several linears of one input, as few products as their formats allow: weights that stack (same float
     dtype, or FP8 in whole scale blocks) run as one matmul over their concatenated rows whose output is split.
@@ -109,23 +99,6 @@ class SharedInputLinear:
             groups.setdefault(_stack_key(w, i), []).append(i)
         self.rows = [w.shape[0] for w in weights]
         self.parts = [(idx, _stack_rows([weights[i] for i in idx])) for idx in groups.values()]
-
-    def subset(self, *indices: int) -> SharedInputLinear:
-        """The products of the weights `indices` alone (outputs in that order), over the same stacked memory: row
-        views, no copy; stacked weights taken together must be neighbours in the stack. So a caller can run some
-        products before the rest, or on another stream, and keep the one stacked product where it runs them all."""
-        sub = SharedInputLinear.__new__(SharedInputLinear)
-        sub.rows, sub.parts = [self.rows[i] for i in indices], []
-        for idx, w in self.parts:
-            taken = [k for k, i in enumerate(idx) if i in indices]
-            if not taken:
-                continue
-            if taken != list(range(taken[0], taken[-1] + 1)):
-                raise ValueError(f"weights {[idx[k] for k in taken]} are not neighbours in their stacked product")
-            start = sum(self.rows[i] for i in idx[:taken[0]])
-            stop = start + sum(self.rows[idx[k]] for k in taken)
-            sub.parts.append(([indices.index(idx[k]) for k in taken], _row_view(w, start, stop)))
-        return sub
 
     def __call__(self, x: torch.Tensor, norm: Norm | None = None) -> list[torch.Tensor]:
         """x @ w.T for each weight, in the order given (column slices of a shared product are views); with `norm`
