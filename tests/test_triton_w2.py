@@ -94,8 +94,7 @@ def test_stack_planes_and_layer_views_layout() -> None:
 def test_config_checks() -> None:
     assert DEFAULT_CONFIG.variant == "mma"
     assert len({name for name, _ in SWEEP}) == len(SWEEP) and DEFAULT_CONFIG in {cfg for _, cfg in SWEEP}
-    for bad in (dict(variant="wgmma"), dict(gate_split=3), dict(down_split=0), dict(prefetch=3),
-                dict(prefetch=2, x_ahead=True)):
+    for bad in (dict(variant="wgmma"), dict(gate_split=3), dict(down_split=0), dict(prefetch=3)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
 

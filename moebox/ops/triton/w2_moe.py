@@ -169,9 +169,7 @@ class DecodeConfig:
     """Kernel variant and blocks (see the module doc). "mma": gate_split / down_split warps per program, each
     taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch: how many
     K steps ahead the code/scale loads run (1 or 2); selector_fma: the unpack's upper PRMT selectors moved by an f16x2
-    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`); x_ahead (prefetch 1): the next K
-    step's x (gate-up) / h (down) fragments loaded with its codes, not in the step (the mma's long-scoreboard wait
-    on them was 22% of gate-up's stall samples at one token, ncu, thirty-fifth session). "fma": ROWS output rows x WORDS
+    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`). "fma": ROWS output rows x WORDS
     code words per program and step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run
     "fma"."""
 
@@ -188,22 +186,17 @@ class DecodeConfig:
     down_split: int = 8
     prefetch: int = 1
     selector_fma: bool = False
-    x_ahead: bool = False
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
         if self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or any(v < 1 or v & (v - 1)
                                                                                      for v in pow2):
             raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, blocks powers of two")
-        if self.x_ahead and self.prefetch != 1:
-            raise ValueError(f"bad decode config {self}: x_ahead takes prefetch 1")
 
 
 DEFAULT_CONFIG = DecodeConfig()
 # one token: 16 warps a down program (256 programs; the sixteenth session's sweep: 27.7 against 30.0 us a call)
-BATCH1_CONFIG = replace(DEFAULT_CONFIG, down_split=16, x_ahead=True)
-# 2-3 tokens
-FEW_TOKENS_CONFIG = replace(DEFAULT_CONFIG, x_ahead=True)
+BATCH1_CONFIG = replace(DEFAULT_CONFIG, down_split=16)
 # 4+ tokens, where the integer ALU pipe binds the kernels: the selectors' FMA-pipe move gained 1-5% there; at 1-2
 # tokens, where latency binds, it lost with the tilings those take (twenty-fourth session)
 MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
@@ -212,7 +205,7 @@ MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
 def default_config(n: int) -> DecodeConfig:
     """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth and
     twenty-fourth sessions)."""
-    return BATCH1_CONFIG if n == 1 else FEW_TOKENS_CONFIG if n < 4 else MANY_TOKENS_CONFIG
+    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
 
 
 def expert_bytes(hidden: int, intermediate: int) -> int:
@@ -506,7 +499,7 @@ if HAVE_TRITON:
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
                             TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
                             PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
-                            X_AHEAD: tl.constexpr, PDL: tl.constexpr):
+                            PDL: tl.constexpr):
         pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
         rw = tl.program_id(1)                       # 16 rows of I: one word of h
@@ -530,20 +523,14 @@ if HAVE_TRITON:
         c1, s1, c3, s3, wb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp, LAST)
         if PREFETCH == 2:
             d1, e1, d3, e3, db = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp + S, LAST)
-        if USE_ASM and X_AHEAD:
-            x0, x1, x2, x3 = _b_fragments(x_row + wb * 8)
         for u0 in tl.range(0, LAST + 1, S, loop_unroll_factor=PREFETCH):
             n1, m1, n3, m3, nb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row,
                                              u0 + PREFETCH * S + sp, LAST)
             if USE_ASM:
-                if X_AHEAD:
-                    y0, y1, y2, y3 = _b_fragments(x_row + nb * 8)
-                else:
-                    x0, x1, x2, x3 = _b_fragments(x_row + wb * 8)
+                xb = x_row + wb * 8
+                x0, x1, x2, x3 = _b_fragments(xb)
                 acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g, SELECTOR_FMA)
                 acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u, SELECTOR_FMA)
-                if X_AHEAD:
-                    x0, x1, x2, x3 = y0, y1, y2, y3
             else:
                 acc_g += _plain_word_dot(c1, s1.to(tl.int32), x_row + wb * 8, TX, HW * 8)
                 acc_u += _plain_word_dot(c3, s3.to(tl.int32), x_row + wb * 8, TX, HW * 8)
@@ -579,7 +566,7 @@ if HAVE_TRITON:
                          out_row_stride, c_expert_stride, s_expert_stride,
                          IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
                          PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
-                         X_AHEAD: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
         t = tl.program_id(0)
         rb = tl.program_id(1)
         g, sp, rho, w = _tile_coords(S)
@@ -602,20 +589,13 @@ if HAVE_TRITON:
         # The first tiles load before the PDL wait: the planes are constant and the expert ids come from the
         # routing, which finished before gate-up (the kernel before) could start; only h is gate-up's.
         pdl_start(PDL)
-        if USE_ASM and X_AHEAD:
-            x0, x1, x2, x3 = _b_fragments(hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8)
         for u0 in tl.range(0, K * TILES, S, loop_unroll_factor=PREFETCH):
             nc, ns, np_, nb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride,
                                           s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES)
             xb = hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8
             if USE_ASM:
-                if X_AHEAD:
-                    y0, y1, y2, y3 = _b_fragments(hp_ptr + np_.to(tl.int64) * (TH * IW * 8) + x_col + nb * 8)
-                else:
-                    x0, x1, x2, x3 = _b_fragments(xb)
+                x0, x1, x2, x3 = _b_fragments(xb)
                 acc = _mma_word_dot(c, s, x0, x1, x2, x3, acc, SELECTOR_FMA)
-                if X_AHEAD:
-                    x0, x1, x2, x3 = y0, y1, y2, y3
             else:
                 acc += _plain_word_dot(c, s.to(tl.int32), xb, TH, IW * 8)
             if PREFETCH == 2:
@@ -687,13 +667,13 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma, X_AHEAD=cfg.x_ahead,
+        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
-        X_AHEAD=cfg.x_ahead, num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
+        num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
 
 
 def _empty_packed(x: torch.Tensor) -> torch.Tensor:
@@ -920,8 +900,7 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False, x_ahead: bool = False
-                ) -> dict:
+def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
     """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
@@ -933,7 +912,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
-    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, SELECTOR_FMA=selector_fma, X_AHEAD=x_ahead, PDL=False)
+    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
     sig = dict(zip(fn.arg_names, types))
     compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
                           num_stages=1)
@@ -952,7 +931,6 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
      for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
-    + [(f"mma g2 d{d} p1 x-ahead", DecodeConfig(gate_split=2, down_split=d, x_ahead=True)) for d in (8, 16)]
     + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG), ("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
