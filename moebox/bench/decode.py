@@ -458,6 +458,8 @@ def _report_decode(args: argparse.Namespace, model: DeepseekV4, dense: int, cfg:
     from moebox.runtime.plan import plan_for
     on_gpu = device.type == "cuda"
     bw = copy_bandwidth(device) if on_gpu else 10 * GB
+    if on_gpu:   # the copy's 4 GiB of buffers are the bench's, not the run's: the peak compared with the plan below
+        torch.cuda.reset_peak_memory_stats(device)      # starts from the resident weights
     print(f"copy bandwidth: {bw / 1e12:.2f} TB/s" + ("" if on_gpu else " (assumed on CPU)"))
     rows = bench_decode(model, dense, args.batch, args.context, bw, args.steps, on_gpu and not args.enforce_eager)
     print(table(DECODE_HEADER, [r.cells() for r in rows]))
