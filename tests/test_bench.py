@@ -64,6 +64,20 @@ def test_bench_decode_cli_reports_each_row(tmp_path):
     assert all(line.split("\t")[3].lstrip("-").isdigit() for line in lines)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_decode_peak_memory_is_the_runs_not_the_copy_tests():
+    """The peak GPU memory that the decode bench compares with the memory plan is the run's: the copy-bandwidth
+    test before it allocates 4 GiB of buffers, far above what the tiny model's run needs."""
+    out = subprocess.run([sys.executable, "-m", "moebox.cli", "bench", "decode", "--preset", "tiny", "--device",
+                          "cuda", "--batch", "1", "2", "--context", "64", "--steps", "2", "--no-breakdown"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(li for li in out.stdout.splitlines() if li.startswith("peak GPU memory"))
+    peak_gib = float(line.split()[3])
+    assert 0 < peak_gib < 1, line
+
+
 def test_bench_prefill_cli_reports_each_prompt():
     rows = _table_rows(_run("prefill", "--prompt", "50", "130", "--chunk", "64"))
     assert [r[0] for r in rows] == ["50", "130"]
