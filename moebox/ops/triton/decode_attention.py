@@ -90,7 +90,7 @@ from typing import Sequence
 
 import torch
 
-from moebox.ops.triton.rope import rope_pair_angles, rope_tile, rope_tile_fits
+from moebox.ops.triton.rope import rope_pair_angles, rope_tile, rope_tile_angles, rope_tile_by, rope_tile_fits
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cdiv, cubin_dump,  # noqa: F401
                                        default_hold, env_count, graph_us, interpreting, kernel_or_fallback,
                                        kernel_switched_on, next_pow2, num_sms, pdl_args, pdl_start, plain_tensor,
@@ -217,17 +217,24 @@ if HAVE_TRITON:
                        Q_RD: tl.constexpr, Q_EARLY: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
         """Program (b, s, g): sequence b, heads [g*HB, (g+1)*HB), key tiles [s*TPS, (s+1)*TPS) of the NT tiles
         (NW window tiles, then the entry tiles). FINAL: write the normalised output; else the partials. Q_RD > 0:
-        q is the raw product, normed and its trailing Q_RD channels rotated here (`rope_tile`). Q_EARLY: q is
-        read before the PDL wait (the caller's word that its producer ran two launches back or more)."""
+        q is the raw product, normed and its trailing Q_RD channels rotated here (`rope_tile`; read after the wait,
+        its cos/sin are taken before it). Q_EARLY: q is read before the PDL wait (the caller's word that its
+        producer ran two launches back or more)."""
         b = tl.program_id(0).to(tl.int64)
         offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
         mh = offs_h < NH
         q_rows = q_ptr + b * s_qb + offs_h[:, None] * s_qh
         if Q_EARLY:
             q = _q_block(q_rows, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD, Q_RD, PRECISE)
+        elif Q_RD:   # q after the wait: its rotation's cos/sin (libdevice, ~hundreds of instructions) before it
+            qcos, qsin, qrot = rope_tile_angles(qinv_ptr, tl.load(qpos_ptr + b).to(tl.float32), D, D_PAD, Q_RD,
+                                                PRECISE)
         pdl_start(PDL)
         if not Q_EARLY:
-            q = _q_block(q_rows, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD, Q_RD, PRECISE)
+            if Q_RD:
+                q = rope_tile_by(q_rows, mh, qcos, qsin, qrot, q_eps, D, D_PAD, True)
+            else:
+                q = _q_block(q_rows, mh, qpos_ptr + b, qinv_ptr, q_eps, D, D_PAD, Q_RD, PRECISE)
         sp = tl.program_id(1)
         offs_d = tl.arange(0, D_PAD)
         offs_k = tl.arange(0, BLOCK_K)

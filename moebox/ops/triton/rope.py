@@ -102,6 +102,20 @@ if HAVE_TRITON:
         split from one row load (in-thread: a thread's columns are contiguous) so cos/sin are taken once a
         pair. FMA contraction is the caller's (`_rope_heads` turns it off): results may differ from `query_rope`
         by an ulp of the rotation."""
+        cos, sin, rot = rope_tile_angles(inv_ptr, pos, D, D_PAD, RD, PRECISE)
+        return rope_tile_by(rows, hm, cos, sin, rot, eps, D, D_PAD, NORM)
+
+    @triton.jit
+    def rope_tile_angles(inv_ptr, pos, D, D_PAD: tl.constexpr, RD: tl.constexpr, PRECISE: tl.constexpr):
+        """(cos, sin, rotated) [D_PAD / 2] of a head's column pairs at position pos, which `rope_tile_by` rotates
+        by: apart from the heads, so a consumer can take them before its PDL wait (positions are the step's
+        input, written many launches back) and only load and rotate the heads after it."""
+        f, rot = rope_pair_angles(0, pos, inv_ptr, D_PAD, D, RD)
+        return device_cos(f, PRECISE), device_sin(f, PRECISE), rot
+
+    @triton.jit
+    def rope_tile_by(rows, hm, cos, sin, rot, eps, D, D_PAD: tl.constexpr, NORM: tl.constexpr):
+        """`rope_tile` with its angles given (`rope_tile_angles`)."""
         BH: tl.constexpr = hm.shape[0]
         cols = tl.arange(0, D_PAD)
         x = tl.load(rows + cols[None, :], mask=hm[:, None] & (cols < D)[None, :], other=0.0)
@@ -110,8 +124,7 @@ if HAVE_TRITON:
             af, bf = a.to(tl.float32), b.to(tl.float32)
             rstd = tl.rsqrt((tl.sum(af * af, axis=1) + tl.sum(bf * bf, axis=1)) / D + eps)[:, None]
             a, b = (af * rstd).to(a.dtype), (bf * rstd).to(b.dtype)
-        f, rot = rope_pair_angles(0, pos, inv_ptr, D_PAD, D, RD)
-        cos, sin = device_cos(f, PRECISE)[None, :], device_sin(f, PRECISE)[None, :]
+        cos, sin = cos[None, :], sin[None, :]
         af, bf = a.to(tl.float32), b.to(tl.float32)
         a2 = tl.where(rot[None, :], (af * cos - bf * sin).to(a.dtype), a)
         b2 = tl.where(rot[None, :], (bf * cos + af * sin).to(b.dtype), b)
