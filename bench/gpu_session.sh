@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issues D, E and G, in phases that each fit one device call (<= 10 min on an H200); the
 # numbers in docs/benchmarks.md come from these exact commands. Run from the repo root:
-#   bash bench/gpu_session.sh tests     # GPU tests of every kernel and of the model (no stop at a failure)
+#   bash bench/gpu_session.sh tests     # GPU tests of every kernel and of the model (no stop at a failure;
+#                                       # TESTS: files, TESTS_K: a -k expression)
 #   bash bench/gpu_session.sh kernels   # the kernel benches (attention, compressor step, grouped FP8, w2 experts
 #                                       # at decode, and their prefill GEMM's tilings)
 #   bash bench/gpu_session.sh decode    # the full-size decode bench (4K, 64K, verify cost, the costliest kernels
@@ -109,13 +110,14 @@ case $phase in
 tests)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$log" 2>&1
     # kernels first, the model last; a hang leaves the log so far
-    # shellcheck disable=SC2086  # TESTS: a subset of the test files (default: all of the GPU ones)
+    # shellcheck disable=SC2086  # TESTS: a subset of the test files (default: all of the GPU ones); TESTS_K: a
+    # pytest -k expression (it may hold spaces, which TESTS, split on them, cannot)
     step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
-        ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
+        ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
         tests/test_triton_rms_norm.py tests/test_triton_index_scores.py tests/test_triton_fp8_mma.py \
-        tests/test_triton_fp8_norm.py tests/test_triton_rope.py tests/test_cuda.py}
+        tests/test_triton_fp8_norm.py tests/test_triton_rope.py tests/test_bench.py tests/test_cuda.py}
     ;;
 experts)                      # the routed-expert decode kernels' sweep alone (or W2_ARGS' bench)
     # shellcheck disable=SC2086  # W2_ARGS: several flags
