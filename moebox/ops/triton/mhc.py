@@ -268,26 +268,6 @@ if HAVE_TRITON:
         return tl.sum(acc, axis=0) / H
 
     @triton.jit
-    def _trace(g, offs_j):
-        """The trace of the [HC_PAD, HC_PAD] Gram matrix g: the streams' sum of squares."""
-        return tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
-
-    @triton.jit
-    def _normed_mix(Xt, pre, g, w, X_n, offs_j, mj, H, norm_eps, BLOCK_H: tl.constexpr):
-        """A chain x program's columns: x = sum_j pre_j X[j] (Xt [HC_PAD, BLOCK_H], X's dtype), then rms_norm(x
-        rounded to X's dtype) times the weight w, the mean square pre^T g pre / H from the streams' Gram matrix g
-        (before that rounding), fp32. Its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to
-        under 1/256 of that, the row's squares are summed directly instead (rare: 4 more loads of the token's
-        row X_n)."""
-        x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0)
-        pm = tl.where(mj, pre, 0.0)
-        q = pm[:, None] * g * pm[None, :]
-        ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
-        if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
-            ms_x = _row_mean_square(X_n, pre, offs_j, mj, H, BLOCK_H)
-        return x.to(X_n.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
-
-    @triton.jit
     def _mix_kernel(X_ptr, ws_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, norm_ptr,
                     H, K, SPLIT, iters, eps, norm_eps, stride_Xn, stride_xn,
                     HC: tl.constexpr, HC_PAD: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
@@ -333,17 +313,23 @@ if HAVE_TRITON:
             sq_w = tl.load(ws_n + M, mask=ms, other=0.0, volatile=True)
         if GRAM:
             g = tl.sum(g_w, axis=0)
-            sumsq = _trace(g, offs_j)
+            sumsq = tl.sum(tl.sum(tl.where(offs_j[:, None] == offs_j[None, :], g, 0.0), axis=1), axis=0)
         else:
             sumsq = tl.sum(sq_w, axis=0)
         rs = 1.0 / tl.sqrt(sumsq / K + norm_eps)
         a_lin = tl.sum(lin_w, axis=0) * rs * s_lin + b_lin
         if xprog:
             pre = tl.sigmoid(a_lin) + eps
-            if NORM:
-                x = _normed_mix(Xt, pre, g, w, X_n, offs_j, mj, H, norm_eps, BLOCK_H)
-            else:
-                x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0)
+            x = tl.sum(pre[:, None] * Xt.to(tl.float32), axis=0)
+            if NORM:   # rms_norm(x rounded to X's dtype, weight); the mean square from G, before that rounding
+                pm = tl.where(mj, pre, 0.0)
+                q = pm[:, None] * g * pm[None, :]
+                ms_x = tl.sum(tl.sum(q, axis=1), axis=0) / H
+                # its fp32 error is ~1e-7 of sum |q| / H: where the weighted streams cancel to under 1/256 of
+                # that, the row's squares are summed directly instead (rare: 4 more loads of the token's X)
+                if ms_x * 256.0 < tl.sum(tl.sum(tl.abs(q), axis=1), axis=0) / H:
+                    ms_x = _row_mean_square(X_n, pre, offs_j, mj, H, BLOCK_H)
+                x = x.to(X_ptr.dtype.element_ty).to(tl.float32) * (1.0 / tl.sqrt(ms_x + norm_eps)) * w
             tl.store(x_ptr + n.to(tl.int64) * stride_xn + hh, x.to(x_ptr.dtype.element_ty), mask=mh)
         elif COEFFS:
             post = 2.0 * tl.sigmoid(a_lin)

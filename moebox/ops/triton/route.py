@@ -116,21 +116,14 @@ if HAVE_TRITON:
             gh = tl.load(g_rows + h0, mask=mh[None, :], other=0.0).to(tl.float32)
             acc += gh * xh[None, :]
         tl.store(logits_ptr + n * E + rows, tl.sum(acc, axis=1))
-        _route_if_last(logits_ptr + n * E, count_ptr + n, E // ROWS, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD,
-                       BLOCK_E, SCORING, NORM)
-
-    @triton.jit
-    def _route_if_last(row, count, programs, bias, ids_ptr, w_ptr, n, E, scaling, K: tl.constexpr,
-                       K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr, NORM: tl.constexpr):
-        """After a program stored its logits into token n's `row`: count it on the token's counter (`programs` a
-        call), and the last to arrive routes the token from the row. Every thread's store comes before one
-        thread's release of the count; the last program's loads after its acquire (and from L2: the other
-        programs' stores are not in this SM's L1)."""
+        # every thread's store before one thread's release of the count; the last program's loads after its
+        # acquire (and from L2: the other programs' stores are not in this SM's L1)
         tl.debug_barrier()
-        done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(count_ptr + n, 1, sem="acq_rel", scope="gpu")
         tl.debug_barrier()
-        if done % programs == programs - 1:
-            _route_row(row, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM, ".cg")
+        if done % (E // ROWS) == E // ROWS - 1:
+            _route_row(logits_ptr + n * E, bias, ids_ptr, w_ptr, n, E, scaling, K, K_PAD, BLOCK_E, SCORING, NORM,
+                       ".cg")
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -176,18 +169,6 @@ ROUTER_MAX_TOKENS = 16
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}   # per device and programs a token
 
 
-def _counter(device: torch.device, programs: int, tokens: int) -> torch.Tensor:
-    """The per-token counters [ROUTER_MAX_TOKENS] int64 of the last-arriver kernel with `programs` programs a
-    token (one set per device and program count: its calls run one after another on a stream, each leaving every
-    counter a multiple of `programs`)."""
-    if tokens > ROUTER_MAX_TOKENS:
-        raise ValueError(f"at most {ROUTER_MAX_TOKENS} tokens a call, got {tokens}")
-    key = (device, programs)
-    if key not in _counters:
-        _counters[key] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int64, device=device)
-    return _counters[key]
-
-
 def router_supported(x: torch.Tensor, gate: torch.Tensor, scoring_func: str, top_k: int) -> bool:
     """Whether `router_route_triton` takes x [N <= 16, H] and the gate weight [E, H] (float dtypes, unit column
     stride, E a multiple of ROUTER_ROWS)."""
@@ -213,10 +194,13 @@ def router_route_triton(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     w = torch.empty((n, top_k), dtype=torch.float32, device=x.device)
     if n == 0:
         return ids, w
+    key = (x.device, e // ROUTER_ROWS)
+    if key not in _counters:
+        _counters[key] = torch.zeros(ROUTER_MAX_TOKENS, dtype=torch.int64, device=x.device)
     logits = torch.empty((n, e), dtype=torch.float32, device=x.device)
     _router_route_kernel[(e // ROUTER_ROWS, n)](
-        x, gate, gate if bias is None else bias, logits, _counter(x.device, e // ROUTER_ROWS, n), ids, w, e, h,
-        x.stride(0), gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096),
+        x, gate, gate if bias is None else bias, logits, _counters[key], ids, w, e, h, x.stride(0),
+        gate.stride(0), float(scaling), ROWS=ROUTER_ROWS, BLOCK_H=min(next_pow2(h), 4096),
         **_routing_constants(e, bias, top_k, scoring_func, norm_topk_prob), EARLY=early_loads(n), num_warps=4,
         **pdl_args(x, _router_route_kernel))
     return ids, w

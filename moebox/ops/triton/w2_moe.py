@@ -476,15 +476,10 @@ if HAVE_TRITON:
         n = tl.program_id(0)
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + k).to(tl.float32)
-        _store_packed(xp_ptr + n.to(tl.int64) * (T * KW * 16), k, v, T, KW * 16)
-
-    @triton.jit
-    def _store_packed(xp_row, k, v, T: tl.constexpr, H):
-        """Columns k of one row of x (v fp32) into its packed row (int16 view, T terms of H each) in the pair
-        layout: column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1."""
         c = k % 16
+        # column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1
         pos = 2 * _pair_slot(k // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
-        _store_bf16_terms(xp_row, pos, v, T, H)
+        _store_bf16_terms(xp_ptr, n.to(tl.int64) * (T * KW * 16) + pos, v, T, KW * 16)
 
     @triton.jit
     def _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, u, LAST: tl.constexpr):
@@ -708,14 +703,6 @@ def _takes_mma(config: DecodeConfig, hidden: int, inter: int, codes: Sequence[to
     return config.variant == "mma" and hidden % 256 == 0 and inter % 256 == 0 and aligned
 
 
-def takes_packed_x(dtype: torch.dtype, w1_codes: torch.Tensor, w3_codes: torch.Tensor, w2_codes: torch.Tensor,
-                   config: DecodeConfig = DEFAULT_CONFIG) -> bool:
-    """Whether the decode kernels on these planes (codes [E, rows, cols / 4]) read x of this dtype packed: the mma
-    kernels do (`_pack_x`), the fma ones read x as it is."""
-    codes = [c.view(torch.int32) for c in (w1_codes, w3_codes, w2_codes)]
-    return dtype in _TERMS and _takes_mma(config, w1_codes.shape[2] * 4, w1_codes.shape[1], codes)
-
-
 def pack_x_ahead(x: torch.Tensor, w1_codes: torch.Tensor, w3_codes: torch.Tensor, w2_codes: torch.Tensor,
                  config: DecodeConfig = DEFAULT_CONFIG) -> PackedX | None:
     """Start packing x for `w2_moe_decode_split(..., packed=)` on a side stream (the "pack" Branch), so that
@@ -723,7 +710,9 @@ def pack_x_ahead(x: torch.Tensor, w1_codes: torch.Tensor, w3_codes: torch.Tensor
     one launch fewer on the main stream (a layer's `_pack_x_kernel`, ~1.6 us at batch 1). The buffer is
     allocated on the main stream, which reads it after the join. None where the mma kernels do not take these
     planes (nothing to pack)."""
-    if x.dim() != 2 or x.stride(1) != 1 or not takes_packed_x(x.dtype, w1_codes, w3_codes, w2_codes, config):
+    codes = [c.view(torch.int32) for c in (w1_codes, w3_codes, w2_codes)]
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _TERMS or not _takes_mma(config, x.shape[1],
+                                                                                    w1_codes.shape[1], codes):
         return None
     xp = _empty_packed(x)
     with Branch(x, "pack", reads=(x,), purpose="pack") as branch:
