@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from moebox.bench.decode import _step_batch, distinct_experts, expert_bytes
+from moebox.bench.decode import _step_batch, distinct_experts, expert_bytes, resident_bytes
 from moebox.bench.synthetic import synthetic_weights
 from moebox.config import parse_config
 from moebox.model.deepseek_v4 import DeepseekV4
@@ -95,6 +95,24 @@ def test_step_bytes_follow_the_routing():
     assert hits[0] == cfg.num_layers * k                            # one token: k distinct experts per layer
     assert hits[0] < hits[1] <= cfg.num_layers * min(8 * k, cfg.n_routed_experts)
     assert expert_bytes(cfg) * 8 == 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2.25
+
+
+def test_weight_bytes_count_each_plane_buffer_once():
+    """The model line's weight bytes: the per-expert tensors are views of each layer's plane buffer, so they add
+    nothing; every other tensor (FP8 data and scales included) counts once."""
+    cfg = parse_config(preset_config("tiny"))
+    weights = synthetic_weights(cfg, "cpu", progress=False)
+    views = [n for n in weights if ".ffn.experts." in n and not n.endswith(".planes")]
+    buffer = {n: weights[n.split(".ffn.experts.")[0] + ".ffn.experts.planes"].untyped_storage().data_ptr()
+              for n in views}
+    assert views and all(t.untyped_storage().data_ptr() == buffer[n]
+                         for n in views for t in (weights[n].codes, weights[n].scales))
+    own = [w for n, w in weights.items() if n not in views]
+    expected = sum(w.data.nbytes + w.scale.nbytes if hasattr(w, "scale") else w.nbytes for w in own)
+    planes = [w for n, w in weights.items() if n.endswith(".planes")]
+    assert len(planes) == cfg.num_layers
+    assert resident_bytes(weights) == expected
+    assert resident_bytes(weights) < sum(w.nbytes for w in weights.values())   # the old double count
 
 
 def test_bench_spec_cli_compares_mtp_with_plain_on_the_demo():
@@ -271,6 +289,32 @@ def test_drop_probe_mix_parts_launch_nothing_after_the_first_step(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         seen[drop] = out.stdout.strip()
     assert seen == {"mixffn": "ffn", "mixattn": "attn", "mixx": "ffn", "": "-"}
+
+
+def test_read_probe_kernels_read_every_word_once_in_the_interpreter():
+    """bench/read_probe.py's kernels xor exactly the words each program owns: the flat read against its numpy
+    reference, the tile read against each row group's xor, and the blocked layout (128 x 128-byte blocks stored
+    contiguously) of a matrix against the plain layout of the same matrix."""
+    from tests.interpreter import run_in_interpreter
+    out = run_in_interpreter("""
+import sys; sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+from bench.read_probe import _tile_read_kernel, read_call, read_reference
+g = torch.Generator().manual_seed(0)
+src = torch.randint(-2 ** 31, 2 ** 31 - 1, (256 * 64,), generator=g, dtype=torch.int32)
+flat = torch.zeros(16, dtype=torch.int32)
+read_call(src, flat, 6, 1024, 4)                      # 6 programs: the last one's chunk is padded
+ok = [torch.equal(flat[:6], read_reference(src, 6, 1024))]
+m = src.view(256, 64)
+groups = torch.from_numpy(np.bitwise_xor.reduce(m.view(16, 16 * 64).numpy(), axis=1))
+blocked = m.view(2, 128, 2, 32).permute(0, 2, 1, 3).contiguous().view(-1)
+for buf, is_blocked in ((src, False), (blocked, True)):
+    out = torch.zeros(16, dtype=torch.int32)
+    _tile_read_kernel[(16,)](buf, out, 64, R=16, BW=32, BLOCKED=is_blocked, PDL=False)
+    ok.append(torch.equal(out, groups))
+print("OK", ok)
+""")
+    assert "OK [True, True, True]" in out, out
 
 
 def test_flag_probe_chain_matches_its_reference_in_the_interpreter():

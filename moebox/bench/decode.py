@@ -75,6 +75,18 @@ def _nbytes(w: object) -> int:
     return w.nbytes if hasattr(w, "nbytes") else 0
 
 
+def resident_bytes(weights: dict[str, object]) -> int:
+    """Device bytes the weights hold, each storage once: the synthetic model's per-expert tensors are views of its
+    layer plane buffers, which a plain sum of nbytes counted twice (164.66 GB for the ~87 GB V4-Flash)."""
+    seen: dict[tuple[str, int], int] = {}
+    for w in weights.values():
+        parts = (w,) if isinstance(w, torch.Tensor) else (v for v in vars(w).values() if isinstance(v, torch.Tensor))
+        for t in parts:             # a tensor, or the tensors of a QuantTensor / W2Tensor
+            storage = t.untyped_storage()
+            seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
 def dense_bytes(weights: dict[str, object]) -> int:
     """Non-expert weight bytes a step reads, but the embedding (the step reads one row of it per sequence):
     counted from the weights before the model is built (the model stacks some of them and the loader drops the
@@ -432,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     weights = synthetic_weights(cfg, device)
-    total, dense, matmul_params = sum(map(_nbytes, weights.values())), dense_bytes(weights), \
+    total, dense, matmul_params = resident_bytes(weights), dense_bytes(weights), \
         active_matmul_params(cfg, weights)
     model = DeepseekV4(cfg, weights.pop, qat=False, dtype=dtype, load_mtp=False)
     del weights

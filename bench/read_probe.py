@@ -1,0 +1,132 @@
+"""How fast can a kernel in a dependent chain read a decode product's weight bytes, with no arithmetic at all?
+
+Why: at one token every FP8 product of a decode step lies on ~1.7-2.3 us + bytes / 3.33-3.55 TB/s (docs/benchmarks
+.md), against the 4.25 TB/s device copy, and the twenty-fifth session's TMA kernel with no arithmetic was no faster.
+This probe reads each call's own buffer (so every call misses L2) with plain 16-byte loads, chained in one CUDA
+graph with PDL as a decode step chains its kernels: a flat read (programs a contiguous chunk each), the GEMV's walk
+([R rows, BK bytes] tiles of a [rows, in] matrix, plain or stored as contiguous 128 x 128-byte blocks), and beside
+them cuBLAS's bf16 GEMV, the production FP8 GEMV (its pick for the shape) and the FP8 mma kernel at one token on the
+same bytes. Thirty-sixth session, H200: the best tilings of either walk read 33.6 MB in 8.9-9.0 us (8.4 MB in
+3.4-3.5), against the FP8 GEMV's 10.2-10.8 (4.8-5.8): what a chain can read is ~4.5 TB/s beyond a ~1.6 us start, and the GEMV's 1.3-1.8 us
+a large product above it is the kernel's own work, not its access pattern.
+
+    python -m bench.read_probe [--mb 33.56 8.4] [--copies 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+import torch
+
+from moebox.ops.triton.runtime import HAVE_TRITON, bench_start, each_copy, graph_us, pdl_args, pdl_start, tl, triton
+
+if HAVE_TRITON:
+    @triton.jit
+    def _read_kernel(src_ptr, out_ptr, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Program p xors the int32 words [p CHUNK, (p + 1) CHUNK) of src (BLOCK a step) into out[p]."""
+        pdl_start(PDL)
+        p = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for k in range(0, CHUNK, BLOCK):
+            offs = p * CHUNK + k + tl.arange(0, BLOCK)
+            acc ^= tl.load(src_ptr + offs, mask=offs < words, other=0, cache_modifier=".cg")
+        tl.store(out_ptr + p, tl.xor_sum(acc, axis=0))
+
+    @triton.jit
+    def _tile_read_kernel(src_ptr, out_ptr, KW, R: tl.constexpr, BW: tl.constexpr, BLOCKED: tl.constexpr,
+                          PDL: tl.constexpr):
+        """Program p xors rows [p R, (p + 1) R) of an int32 [rows, KW] matrix, [R, BW] a step, as the FP8 GEMV
+        walks a weight; BLOCKED: the matrix stored as contiguous 128-row x 32-word (128 x 128 byte) blocks."""
+        pdl_start(PDL)
+        p = tl.program_id(0)
+        rows = p * R + tl.arange(0, R)
+        cols = tl.arange(0, BW)
+        acc = tl.zeros([R, BW], dtype=tl.int32)
+        for k in range(0, KW, BW):
+            c = k + cols
+            if BLOCKED:
+                off = ((rows // 128) * (KW // 32))[:, None] * 4096 + (c // 32)[None, :] * 4096 \
+                    + (rows % 128)[:, None] * 32 + (c % 32)[None, :]
+            else:
+                off = rows[:, None] * KW + c[None, :]
+            acc ^= tl.load(src_ptr + off, cache_modifier=".cg")
+        tl.store(out_ptr + p, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
+
+
+def read_call(src: torch.Tensor, out: torch.Tensor, programs: int, block: int, warps: int) -> None:
+    """The flat read of src (int32) by `programs` programs, `block` words a step; out[p] = program p's xor."""
+    words = src.numel()
+    chunk = -(-words // programs // block) * block
+    _read_kernel[(programs,)](src, out, words, CHUNK=chunk, BLOCK=block, num_warps=warps,
+                              **pdl_args(src, _read_kernel))
+
+
+def read_reference(src: torch.Tensor, programs: int, block: int) -> torch.Tensor:
+    """out of `read_call` in torch: each program's chunk xor-reduced (zero-padded)."""
+    words = src.numel()
+    chunk = -(-words // programs // block) * block
+    flat = torch.zeros(programs * chunk, dtype=torch.int32, device=src.device)
+    flat[:words] = src
+    return torch.from_numpy(np.bitwise_xor.reduce(flat.view(programs, chunk).cpu().numpy(), axis=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=float, nargs="+", default=[33.56, 8.4])
+    p.add_argument("--copies", type=int, default=40, help="buffers a chain (each call misses L2)")
+    args = p.parse_args(argv)
+    bench_start()
+    from moebox.ops.triton.fp8_linear import Fp8Config, fp8_linear_triton
+    from moebox.weights.formats import QuantTensor
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    for mb in args.mb:
+        words = int(mb * 1e6) // 4 // 4096 * 4096
+        bufs = [torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32, device=dev)
+                for _ in range(args.copies)]
+        out = torch.empty(1 << 16, dtype=torch.int32, device=dev)
+        nbytes = words * 4
+        ref = read_reference(bufs[0], 2 * sms, 4096)
+        read_call(bufs[0], out, 2 * sms, 4096, 8)
+        assert torch.equal(out[:2 * sms].cpu(), ref), "read kernel differs from its reference"
+        for progs, block, warps in itertools.product((2 * sms, 4 * sms, 8 * sms), (1024, 8192), (4, 8)):
+            if block < warps * 32 * 4:
+                continue
+            us = graph_us(each_copy(lambda i: read_call(bufs[i], out, progs, block, warps), args.copies))
+            rows.append((mb, f"read {progs // sms}/SM block {block * 4 // 1024} KB w{warps}", us, nbytes / us / 1e3))
+        # cuBLAS bf16 GEMV over the same bytes ([rows, 4096] bf16)
+        mats = [b.view(torch.bfloat16).view(-1, 4096) for b in bufs]
+        x = torch.randn(4096, dtype=torch.bfloat16, device=dev)
+        us = graph_us(each_copy(lambda i: torch.mv(mats[i], x), args.copies))
+        rows.append((mb, "cuBLAS bf16 mv", us, nbytes / us / 1e3))
+        # the production FP8 GEMV (its default pick) over the same bytes ([rows, 1024] e4m3, the wq_b shape)
+        for inp in (1024, 4096, 8192):
+            ws = [QuantTensor("fp8", b.view(torch.float8_e4m3fn).view(-1, inp),
+                              torch.full((-(-nbytes // inp // 128), inp // 128), 120, dtype=torch.uint8,
+                                         device=dev).view(torch.float8_e8m0fnu), (128, 128)) for b in bufs]
+            xi = torch.randn(1, inp, dtype=torch.bfloat16, device=dev)
+            us = graph_us(each_copy(lambda i: fp8_linear_triton(xi, ws[i]), args.copies))
+            rows.append((mb, f"fp8 GEMV [{nbytes // inp}, {inp}]", us, nbytes / us / 1e3))
+            mma = Fp8Config(block_o=64, num_stages=2, kernel="mma")
+            us = graph_us(each_copy(lambda i: fp8_linear_triton(xi, ws[i], config=mma), args.copies))
+            rows.append((mb, f"fp8 mma [{nbytes // inp}, {inp}]", us, nbytes / us / 1e3))
+        for inp in ((1024, 4096, 8192) if mb > 30 else ()):
+            kw, nrows = inp // 4, words // (inp // 4) // 128 * 128
+            for r, bk, warps, blocked in itertools.product((8, 16, 32), (512, 1024), (4, 8), (False, True)):
+                us = graph_us(each_copy(lambda i: _tile_read_kernel[(nrows // r,)](
+                    bufs[i], out, kw, R=r, BW=bk // 4, BLOCKED=blocked, num_warps=warps,
+                    **pdl_args(bufs[i], _tile_read_kernel)), args.copies))
+                rows.append((mb, f"tiles [{nrows}, {inp}] {r}x{bk} w{warps}{' blocked' if blocked else ''}", us,
+                             nrows * inp / us / 1e3))
+        del bufs, mats
+    print(f"\n{'MB':>6s}  {'kernel':36s} {'us':>7s} {'GB/s':>7s}")
+    for mb, name, us, rate in rows:
+        print(f"{mb:6.1f}  {name:36s} {us:7.2f} {rate:7.0f}")
+
+
+if __name__ == "__main__":
+    main()
