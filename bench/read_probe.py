@@ -7,10 +7,13 @@ graph with PDL as a decode step chains its kernels: a flat read (programs a cont
 ([R rows, BK bytes] tiles of a [rows, in] matrix, plain or stored as contiguous 128 x 128-byte blocks), and beside
 them cuBLAS's bf16 GEMV, the production FP8 GEMV (its pick for the shape) and the FP8 mma kernel at one token on the
 same bytes. Thirty-sixth session, H200: the best tilings of either walk read 33.6 MB in 8.9-9.0 us (8.4 MB in
-3.4-3.5), against the FP8 GEMV's 10.2-10.8 (4.8-5.8): what a chain can read is ~4.5 TB/s beyond a ~1.6 us start, and the GEMV's 1.3-1.8 us
-a large product above it is the kernel's own work, not its access pattern.
+3.4-3.5), against the FP8 GEMV's 10.2-10.8 on the three 33.6 MB products: what a chain can read is ~4.5 TB/s beyond
+a ~1.6 us start, and the GEMV's 1.3-1.9 us a large product above it is the kernel's own work, not its access
+pattern (docs/benchmarks.md has the table). `--gemv` times a plainer GEMV (`_lean_gemv_kernel`: x scaled by the
+blocks' scales, one FFMA a weight) against the production pick on the V4-Flash products: it was 0.3-1.2 us slower
+on every one.
 
-    python -m bench.read_probe [--mb 33.56 8.4] [--copies 40]
+    python -m bench.read_probe [--mb 33.56 8.4] [--copies 40] [--gemv]
 """
 
 from __future__ import annotations
@@ -56,6 +59,65 @@ if HAVE_TRITON:
         tl.store(out_ptr + p, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _lean_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, IN, S_STRIDE, R: tl.constexpr, BK: tl.constexpr,
+                          PDL: tl.constexpr):
+        """y[rows] = W8[rows] @ x for one token, program p rows [p R, (p + 1) R) (R divides 128): each K step
+        scales its x slice by the program's row block's scales (one E8M0 byte a 128 columns, the same for all R
+        rows) and multiply-adds it into an [R, BK] fp32 tile, summed across the lanes once at the end."""
+        pdl_start(PDL)
+        p = tl.program_id(0)
+        rows = p * R + tl.arange(0, R)
+        cols = tl.arange(0, BK)
+        s_row = s_ptr + (p * R // 128) * S_STRIDE
+        acc = tl.zeros([R, BK], dtype=tl.float32)
+        for k in range(0, IN, BK):
+            c = k + cols
+            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * IN + c[None, :]).to(tl.float32)
+            scale = (tl.load(s_row + c // 128).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            acc += w * (tl.load(x_ptr + c).to(tl.float32) * scale)[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+
+
+def lean_gemv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, r: int, bk: int, warps: int
+              ) -> torch.Tensor:
+    """x [1, in] bf16, data [out, in] e4m3, scale [out / 128, in / 128] E8M0 -> y [1, out] bf16."""
+    out_f, in_f = data.shape
+    y = torch.empty(1, out_f, dtype=x.dtype, device=x.device)
+    _lean_gemv_kernel[(out_f // r,)](x, data, scale.view(torch.uint8), y, in_f, scale.stride(0), R=r, BK=bk,
+                                     num_warps=warps, **pdl_args(x, _lean_gemv_kernel))
+    return y
+
+
+def gemv_rows(copies: int) -> list[tuple[str, float, float]]:
+    """The lean GEMV's tilings against the production pick on the V4-Flash one-token products: (label, us,
+    relative error against fp8_linear_reference)."""
+    from moebox.bench.synthetic import _fp8
+    from moebox.ops.triton.fp8_linear import fp8_linear_reference, fp8_linear_triton
+    from moebox.ops.triton.runtime import rel_err
+    from moebox.weights.schema import TensorSpec
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for name, (out_f, in_f) in {"wq_a+wkv": (1536, 4096), "shared w1+w3": (4096, 4096), "wq_b": (32768, 1024),
+                                "wo_a": (8192, 4096), "wo_b": (4096, 8192)}.items():
+        w = _fp8(TensorSpec(name, (out_f, in_f), "fp8"), g, dev)
+        ws = [w] + [type(w)(w.kind, w.data.clone(), w.scale.clone(), w.block) for _ in range(copies - 1)]
+        x = torch.randn(1, in_f, generator=g, device=dev).to(torch.bfloat16)
+        ref = fp8_linear_reference(x, w)
+        us = graph_us(each_copy(lambda i: fp8_linear_triton(x, ws[i]), copies))
+        rows.append((f"{name} [{out_f}, {in_f}] production", us, rel_err(fp8_linear_triton(x, w), ref)))
+        for r, bk, warps in itertools.product((8, 16, 32), (512, 1024), (4, 8)):
+            if out_f % r or in_f % bk:
+                continue
+            us = graph_us(each_copy(lambda i: lean_gemv(x, ws[i].data, ws[i].scale, r, bk, warps), copies))
+            rows.append((f"{name} lean {r}x{bk} w{warps}", us, rel_err(lean_gemv(x, w.data, w.scale, r, bk, warps),
+                                                                        ref)))
+        del ws
+    return rows
+
+
 def read_call(src: torch.Tensor, out: torch.Tensor, programs: int, block: int, warps: int) -> None:
     """The flat read of src (int32) by `programs` programs, `block` words a step; out[p] = program p's xor."""
     words = src.numel()
@@ -77,8 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, nargs="+", default=[33.56, 8.4])
     p.add_argument("--copies", type=int, default=40, help="buffers a chain (each call misses L2)")
+    p.add_argument("--gemv", action="store_true", help="only the lean GEMV's tilings against the production pick")
     args = p.parse_args(argv)
     bench_start()
+    if args.gemv:
+        print(f"\n{'product / kernel':44s} {'us':>7s} {'rel err':>9s}")
+        for label, us, err in gemv_rows(args.copies):
+            print(f"{label:44s} {us:7.2f} {err:9.2e}")
+        return
     from moebox.ops.triton.fp8_linear import Fp8Config, fp8_linear_triton
     from moebox.weights.formats import QuantTensor
     dev = torch.device("cuda")

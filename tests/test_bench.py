@@ -317,6 +317,30 @@ print("OK", ok)
     assert "OK [True, True, True]" in out, out
 
 
+def test_read_probe_lean_gemv_matches_the_fp8_reference_in_the_interpreter():
+    """The probe's lean one-token GEMV (x scaled by each 128-column block's scale before the products) computes
+    fp8_linear_reference, with the scale bytes varied per block so that a wrong block lookup shows."""
+    from tests.interpreter import check_in_interpreter
+    check_in_interpreter("""
+import sys, json; sys.path.insert(0, sys.argv[1])
+import torch
+from bench.read_probe import lean_gemv
+from moebox.bench.synthetic import _fp8
+from moebox.ops.triton.fp8_linear import fp8_linear_reference
+from moebox.weights.schema import TensorSpec
+g = torch.Generator().manual_seed(0)
+res = []
+for out_f, in_f, r, bk in ((256, 512, 16, 256), (128, 1024, 8, 512), (256, 256, 32, 128)):
+    w = _fp8(TensorSpec("w", (out_f, in_f), "fp8"), g, torch.device("cpu"))
+    w.scale.view(torch.uint8).copy_(torch.randint(110, 125, w.scale.shape, generator=g, dtype=torch.uint8))
+    x = torch.randn(1, in_f, generator=g).to(torch.bfloat16)
+    y, ref = lean_gemv(x, w.data, w.scale, r, bk, 4).float(), fp8_linear_reference(x, w).float()
+    res.append(dict(same_buffer=True, finite=bool(torch.isfinite(y).all()), rel=float((y - ref).norm() / ref.norm()),
+                    ref_norm=float(ref.norm()), tol=1e-2))
+print("RESULT " + json.dumps(res))
+""")
+
+
 def test_flag_probe_chain_matches_its_reference_in_the_interpreter():
     """bench/flag_probe.py's chain (plain launches: the interpreter has no PDL) computes its torch reference, so
     the probe's GPU check of the wait and flag modes against plain is a check against the reference."""
