@@ -9,9 +9,10 @@ them cuBLAS's bf16 GEMV, the production FP8 GEMV (its pick for the shape) and th
 same bytes. Thirty-sixth session, H200: the best tilings of either walk read 33.6 MB in 8.9-9.0 us (8.4 MB in
 3.4-3.5), against the FP8 GEMV's 10.2-10.8 on the three 33.6 MB products: what a chain can read is ~4.5 TB/s beyond
 a ~1.6 us start, and the GEMV's 1.3-1.9 us a large product above it is the kernel's own work, not its access
-pattern (docs/benchmarks.md has the table). `--gemv` times a plainer GEMV (`_lean_gemv_kernel`: x scaled by the
-blocks' scales, one FFMA a weight) against the production pick on the V4-Flash products: it was 0.3-1.2 us slower
-on every one.
+pattern (docs/benchmarks.md has the table). A plainer GEMV (x scaled by the blocks' scales, one FFMA a weight;
+f1dc705) was 0.3-1.2 us slower than the production pick on every product. `--gemv` times the words GEMV against
+the production pick on the V4-Flash products: the weights read as int32 words (4 e4m3 each), optionally the next
+step's words loaded into registers before this step's math, converted by PTX or by bit moves.
 
     python -m bench.read_probe [--mb 33.56 8.4] [--copies 40] [--gemv]
 """
@@ -19,6 +20,7 @@ on every one.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import numpy as np
@@ -60,38 +62,95 @@ if HAVE_TRITON:
 
 
 if HAVE_TRITON:
+    # e4m3 x4 (one int32 word, byte j = column 4c + j) -> 4 f32, by the hardware conversion (sm_89+)
+    _E4M3X4_TO_F32 = tl.constexpr(
+        "{ .reg .b16 l, h, a0, a1, b0, b1; .reg .b32 a, b; .reg .f32 f<4>;"
+        " mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a, l; cvt.rn.f16x2.e4m3x2 b, h;"
+        " mov.b32 {a0, a1}, a; mov.b32 {b0, b1}, b;"
+        " cvt.f32.f16 f0, a0; cvt.f32.f16 f1, a1; cvt.f32.f16 f2, b0; cvt.f32.f16 f3, b1;"
+        " mov.b32 $0, f0; mov.b32 $1, f1; mov.b32 $2, f2; mov.b32 $3, f3; }")
+
     @triton.jit
-    def _lean_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, IN, S_STRIDE, R: tl.constexpr, BK: tl.constexpr,
-                          PDL: tl.constexpr):
-        """y[rows] = W8[rows] @ x for one token, program p rows [p R, (p + 1) R) (R divides 128): each K step
-        scales its x slice by the program's row block's scales (one E8M0 byte a 128 columns, the same for all R
-        rows) and multiply-adds it into an [R, BK] fp32 tile, summed across the lanes once at the end."""
-        pdl_start(PDL)
+    def _e4m3_bits(w, J: tl.constexpr):
+        """Byte J of each word as an f32 of value e4m3 * 2^-120: its sign to bit 31, its exponent and mantissa
+        to bits 26..20 (an e4m3 subnormal lands on an f32 subnormal, so the factor holds for every code)."""
+        sign = (w << (24 - 8 * J)) if J < 3 else w
+        mag = (w << (20 - 8 * J)) if J < 3 else (w >> 4)
+        return ((sign & -2147483648) | (mag & 0x07F00000)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _word_products(acc, w, x_words, s_row, c, CVT: tl.constexpr):
+        """acc [R, BW] + one step's products: w [R, BW] int32 words of 4 e4m3 weights (columns 4c .. 4c + 3 of
+        word column c), x_words the bf16 x as int32 pairs, s_row the row block's E8M0 bytes (one a 32 words)."""
+        if CVT:
+            q0, q1, q2, q3 = tl.inline_asm_elementwise(_E4M3X4_TO_F32, "=r,=r,=r,=r,r", [w],
+                                                       dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                                       is_pure=True, pack=1)
+            w0, w1 = q0.to(tl.float32, bitcast=True), q1.to(tl.float32, bitcast=True)
+            w2, w3 = q2.to(tl.float32, bitcast=True), q3.to(tl.float32, bitcast=True)
+        else:
+            w0, w1, w2, w3 = _e4m3_bits(w, 0), _e4m3_bits(w, 1), _e4m3_bits(w, 2), _e4m3_bits(w, 3)
+        # x (and the scales) loaded as [R, BW] tiles, each lane its own copy from L1: as [BW] vectors they came
+        # in another layout and went through shared memory, with barriers, every step
+        c = c[None, :] + tl.zeros_like(w)
+        s = tl.load(s_row + c // 32).to(tl.int32)
+        if CVT:
+            scale = (s << 23).to(tl.float32, bitcast=True)
+        else:   # the 2^120 that _e4m3_bits leaves out, folded into the scale (scale bytes <= 134: scales <= 2^7)
+            scale = ((s + 120) << 23).to(tl.float32, bitcast=True)
+        x01 = tl.load(x_words + 2 * c)
+        x23 = tl.load(x_words + 2 * c + 1)
+        x0 = (x01 << 16).to(tl.float32, bitcast=True)
+        x1 = (x01 & -65536).to(tl.float32, bitcast=True)
+        x2 = (x23 << 16).to(tl.float32, bitcast=True)
+        x3 = (x23 & -65536).to(tl.float32, bitcast=True)
+        return acc + (w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3) * scale
+
+    @triton.jit
+    def _words_gemv_kernel(x_words, w_words, s_ptr, y_ptr, KW, S_STRIDE, R: tl.constexpr, BW: tl.constexpr,
+                           AHEAD: tl.constexpr, CVT: tl.constexpr, PDL: tl.constexpr):
+        """y[rows] = W8[rows] @ x for one token, the weights read as int32 words (4 e4m3 each), program p rows
+        [p R, (p + 1) R) (R divides 128: one scale row), [R, BW] words a step. AHEAD: the next step's words
+        are loaded into registers before this step's math (a register double buffer; Triton would keep loop-
+        carried e4m3 values one a register, words hold 4). The first step's words are loaded before the PDL
+        wait (the weights are constant). CVT: e4m3 -> f32 by cvt.rn.f16x2.e4m3x2 (inline PTX), else by bit
+        moves (what the interpreter can run)."""
         p = tl.program_id(0)
-        rows = p * R + tl.arange(0, R)
-        cols = tl.arange(0, BK)
+        cols = tl.arange(0, BW)
+        w_ptrs = w_words + (p * R + tl.arange(0, R)).to(tl.int64)[:, None] * KW + cols[None, :]
         s_row = s_ptr + (p * R // 128) * S_STRIDE
-        acc = tl.zeros([R, BK], dtype=tl.float32)
-        for k in range(0, IN, BK):
-            c = k + cols
-            w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * IN + c[None, :]).to(tl.float32)
-            scale = (tl.load(s_row + c // 128).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-            acc += w * (tl.load(x_ptr + c).to(tl.float32) * scale)[None, :]
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+        w = tl.load(w_ptrs)
+        pdl_start(PDL)
+        acc = tl.zeros([R, BW], dtype=tl.float32)
+        for k in range(BW, KW, BW):
+            if AHEAD:
+                w_next = tl.load(w_ptrs + k)
+                acc = _word_products(acc, w, x_words, s_row, k - BW + cols, CVT)
+                w = w_next
+            else:
+                acc = _word_products(acc, w, x_words, s_row, k - BW + cols, CVT)
+                w = tl.load(w_ptrs + k)
+        acc = _word_products(acc, w, x_words, s_row, KW - BW + cols, CVT)
+        tl.store(y_ptr + p * R + tl.arange(0, R), tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
 
 
-def lean_gemv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, r: int, bk: int, warps: int
-              ) -> torch.Tensor:
-    """x [1, in] bf16, data [out, in] e4m3, scale [out / 128, in / 128] E8M0 -> y [1, out] bf16."""
+def words_gemv(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, r: int, bw: int, warps: int,
+               ahead: bool, cvt: bool) -> torch.Tensor:
+    """x [1, in] bf16, data [out, in] e4m3, scale [out / 128, in / 128] E8M0 -> y [1, out] bf16, by
+    `_words_gemv_kernel` (r rows and bw words a program's step)."""
     out_f, in_f = data.shape
+    if x.dtype != torch.bfloat16 or out_f % r or 128 % r or in_f % (4 * bw) or bw % 32:
+        raise ValueError(f"words_gemv needs bf16 x, r | gcd(out, 128) and 128 | 4 bw | in: {out_f}, {in_f}, {r}, "
+                         f"{bw}")
     y = torch.empty(1, out_f, dtype=x.dtype, device=x.device)
-    _lean_gemv_kernel[(out_f // r,)](x, data, scale.view(torch.uint8), y, in_f, scale.stride(0), R=r, BK=bk,
-                                     num_warps=warps, **pdl_args(x, _lean_gemv_kernel))
+    _words_gemv_kernel[(out_f // r,)](x.view(torch.int32), data.view(torch.int32), scale.view(torch.uint8), y,
+                                      in_f // 4, scale.stride(0), R=r, BW=bw, AHEAD=ahead, CVT=cvt,
+                                      num_warps=warps, **pdl_args(x, _words_gemv_kernel))
     return y
 
 
 def gemv_rows(copies: int) -> list[tuple[str, float, float]]:
-    """The lean GEMV's tilings against the production pick on the V4-Flash one-token products: (label, us,
+    """The words GEMV's tilings against the production pick on the V4-Flash one-token products: (label, us,
     relative error against fp8_linear_reference)."""
     from moebox.bench.synthetic import _fp8
     from moebox.ops.triton.fp8_linear import fp8_linear_reference, fp8_linear_triton
@@ -108,12 +167,14 @@ def gemv_rows(copies: int) -> list[tuple[str, float, float]]:
         ref = fp8_linear_reference(x, w)
         us = graph_us(each_copy(lambda i: fp8_linear_triton(x, ws[i]), copies))
         rows.append((f"{name} [{out_f}, {in_f}] production", us, rel_err(fp8_linear_triton(x, w), ref)))
-        for r, bk, warps in itertools.product((8, 16, 32), (512, 1024), (4, 8)):
-            if out_f % r or in_f % bk:
+        for r, bw, warps, ahead, cvt in itertools.product((8, 16, 32), (128, 256, 512, 1024), (4, 8), (False, True),
+                                                          (False, True)):
+            if in_f % (4 * bw) or r * bw > 8192 or r * bw > 64 * 32 * warps:
                 continue
-            us = graph_us(each_copy(lambda i: lean_gemv(x, ws[i].data, ws[i].scale, r, bk, warps), copies))
-            rows.append((f"{name} lean {r}x{bk} w{warps}", us, rel_err(lean_gemv(x, w.data, w.scale, r, bk, warps),
-                                                                        ref)))
+            fn = functools.partial(words_gemv, r=r, bw=bw, warps=warps, ahead=ahead, cvt=cvt)
+            us = graph_us(each_copy(lambda i: fn(x, ws[i].data, ws[i].scale), copies))
+            rows.append((f"{name} words {r}x{4 * bw} w{warps}{' ahead' if ahead else ''}{' cvt' if cvt else ''}",
+                         us, rel_err(fn(x, w.data, w.scale), ref)))
         del ws
     return rows
 
@@ -139,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, nargs="+", default=[33.56, 8.4])
     p.add_argument("--copies", type=int, default=40, help="buffers a chain (each call misses L2)")
-    p.add_argument("--gemv", action="store_true", help="only the lean GEMV's tilings against the production pick")
+    p.add_argument("--gemv", action="store_true", help="only the words GEMV's tilings against the production pick")
     args = p.parse_args(argv)
     bench_start()
     if args.gemv:
