@@ -160,8 +160,8 @@ from moebox.ops.moe import routed_experts
 from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, cubin_dump, env_count,  # noqa: F401
-                                       graph_us, interpreting, loop_sass, packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, interpreting,  # noqa: F401
+                                       loop_sass, packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,7 @@ class DecodeConfig:
     """Kernel variant and blocks (see the module doc). "mma": gate_split / down_split warps per program, each
     taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch: how many
     K steps ahead the code/scale loads run (1 or 2); selector_fma: the unpack's upper PRMT selectors moved by an f16x2
-    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`); down_l2: gate-up's programs ask
-    L2 for down's plane bytes of their pair's expert (a 1/I-th slice each, the TMA's bulk prefetch) at their start
-    (1) or after their K loop (2), 0: not. "fma": ROWS output rows x WORDS
+    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`). "fma": ROWS output rows x WORDS
     code words per program and step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run
     "fma"."""
 
@@ -188,14 +186,12 @@ class DecodeConfig:
     down_split: int = 8
     prefetch: int = 1
     selector_fma: bool = False
-    down_l2: int = 0
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
-        if (self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or self.down_l2 not in (0, 1, 2)
-                or any(v < 1 or v & (v - 1) for v in pow2)):
-            raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, down_l2 0/1/2, blocks "
-                             "powers of two")
+        if self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or any(v < 1 or v & (v - 1)
+                                                                                     for v in pow2):
+            raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, blocks powers of two")
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -208,10 +204,8 @@ MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
 
 def default_config(n: int) -> DecodeConfig:
     """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth and
-    twenty-fourth sessions). MOEBOX_DOWN_L2 = 1 / 2 sets `down_l2` (0: off)."""
-    cfg = BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
-    down_l2 = env_count("MOEBOX_DOWN_L2", 0, "0, 1 or 2", least=0)
-    return replace(cfg, down_l2=down_l2) if down_l2 else cfg
+    twenty-fourth sessions)."""
+    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
 
 
 def expert_bytes(hidden: int, intermediate: int) -> int:
@@ -495,34 +489,17 @@ if HAVE_TRITON:
                 tl.load(w3c_ptr + c_row + wb), tl.load(w3s_ptr + s_row + wb // 2), wb)
 
     @triton.jit
-    def _down_l2_prefetch(w2c_ptr, w2s_ptr, e, rw, c2_expert_stride, s2_expert_stride, H: tl.constexpr,
-                          S: tl.constexpr):
-        """Ask L2 (`cp.async.bulk.prefetch.L2`, a hint: no registers, nothing waits) for slice rw of expert e's
-        down planes: the codes' 4H bytes (H int32 words) at rw * H words and the scales' H / 2 bytes at rw * H / 2
-        (its start rounded down to 16 bytes, as the instruction needs), one request each from threads 0 and 1."""
-        t = tl.arange(0, 32 * S)
-        code = (w2c_ptr + e * c2_expert_stride + rw * H).to(tl.pointer_type(tl.uint8))
-        ptr = tl.where(t == 0, code, w2s_ptr + e * s2_expert_stride + rw * (H // 2))
-        size = tl.where(t == 0, 4 * H, tl.where(t == 1, H // 2, 0))
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 a; and.b64 a, $1, -16; setp.gt.s32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [a], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr, w2c_ptr, w2s_ptr,
-                            c_expert_stride, s_expert_stride, c2_expert_stride, s2_expert_stride, limit,
+    def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
+                            c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
                             TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
                             PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
-                            DOWN_L2: tl.constexpr, PDL: tl.constexpr):
+                            PDL: tl.constexpr):
         pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
         rw = tl.program_id(1)                       # 16 rows of I: one word of h
         t = p // K
         e = tl.load(ids_ptr + p).to(tl.int64)
-        if USE_ASM and DOWN_L2 == 1:
-            _down_l2_prefetch(w2c_ptr, w2s_ptr, e, rw, c2_expert_stride, s2_expert_stride, HW * 16, S)
         g, sp, rho, w = _tile_coords(S)
         r = 8 * rho + g
         row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
@@ -557,8 +534,6 @@ if HAVE_TRITON:
                 d1, e1, d3, e3, db = n1, m1, n3, m3, nb
             else:
                 c1, s1, c3, s3, wb = n1, m1, n3, m3, nb
-        if USE_ASM and DOWN_L2 == 2:
-            _down_l2_prefetch(w2c_ptr, w2s_ptr, e, rw, c2_expert_stride, s2_expert_stride, HW * 16, S)
         gate = _reduce_tile(acc_g, TX, S, USE_ASM)
         up = _reduce_tile(acc_u, TX, S, USE_ASM)
         if HAS_LIMIT:
@@ -684,10 +659,10 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
     _gate_up_mma_kernel[(pairs, iw)](
-        xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16), w2c, w2s,
-        w1c.stride(0), w1s.stride(0), w2c.stride(0), w2s.stride(0), float(limit) if has_limit else 0.0,
+        xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
+        w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma, DOWN_L2=cfg.down_l2,
+        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
@@ -914,21 +889,19 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False, down_l2: int = 0) -> dict:
+def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
     """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
     of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
     if kernel == "gate_up":
-        fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16", "*i32",
-                                          "*u8", "i32", "i32", "i32", "i32", "fp32")
+        fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
+                                          "i32", "i32", "fp32")
         const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True)
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
     const.update(S=split, PREFETCH=prefetch, USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
-    if kernel == "gate_up":
-        const["DOWN_L2"] = down_l2
     sig = dict(zip(fn.arg_names, types))
     compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
                           num_stages=1)
@@ -936,21 +909,17 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
     steps = (16 if kernel == "gate_up" else 48) // split   # K steps of a warp; a loop of <= prefetch unrolls
     loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
     ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
-    l2_prefetches = cubin_dump(compiled.asm["cubin"])[0].count("UBLKPF.L2")   # down_l2's bulk prefetch
     # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
     weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if looped else steps)
     return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": packed_asm_layout(ttgir),
             "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
-            "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights,
-            "l2_prefetches": l2_prefetches}
+            "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
 
 
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
      for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
-    + [(f"mma g2 d{d} p1 down-l2 {when}", DecodeConfig(down_split=d, down_l2=when)) for d, when in ((16, 1), (16, 2),
-                                                                                                    (8, 1))]
     + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG), ("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
