@@ -126,6 +126,10 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   above holds ~11.6), a row tile cut between programs finished by its last one from the others' partial sums:
   32.9 against 26.6 us a call at N = 1, decode 4.97 against 4.80 ms at batch 1. More warps an SM barely help the
   one-token call anyway: k = 8 (1 024 programs, ~15.5 warps an SM) streams 1 682 GB/s against k = 6's 1 595.
+  Also tried and dropped (thirty-eighth session, commit 92006a0 has the code): gate-up's programs asking L2 for
+  down's planes of their expert (one bulk prefetch of a 1/I-th slice each, at their start or after their K loop),
+  so that down reads L2: a call 26.6 -> 28.9 (start) / 26.8 (end) us at N = 1, slower at N = 2-8, and decode at
+  batch 1 / 2 / 8 4.82 / 6.17 / 11.66 -> 4.90 / 6.37 / 12.18 ms (start), 4.81 / 6.19 / 11.99 (end).
 
 Variant "fma" (CUDA cores, exact fp32): `_gate_up_kernel`, grid (N*k, I/ROWS), and `_down_kernel`, grid
 (N, H/ROWS), same split of the work; [ROWS, WORDS] int32 tiles, per word ~10 ops give a "big" bit (codes 0, 3)
