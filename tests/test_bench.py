@@ -317,39 +317,42 @@ print("OK", ok)
     assert "OK [True, True, True]" in out, out
 
 
-_WORDS_GEMV_CASES = """
-import sys, json; sys.path.insert(0, sys.argv[1])
-import torch
-from bench.read_probe import words_gemv
-from moebox.bench.synthetic import _fp8
-from moebox.ops.triton.fp8_linear import fp8_linear_reference
-from moebox.weights.schema import TensorSpec
-dev = torch.device(sys.argv[2])
-g = torch.Generator().manual_seed(0)
-codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)   # every e4m3 but NaN
-res = []
-for (out_f, in_f, r, bw), ahead, cvt in CASES:
-    w = _fp8(TensorSpec("w", (out_f, in_f), "fp8"), g, torch.device("cpu"))
-    w.data.view(torch.uint8)[0, :codes.numel()] = codes
-    w.scale.view(torch.uint8).copy_(torch.randint(110, 125, w.scale.shape, generator=g, dtype=torch.uint8))
-    w = type(w)(w.kind, w.data.to(dev), w.scale.to(dev), w.block)
-    x = torch.randn(1, in_f, generator=g).to(torch.bfloat16).to(dev)
-    y, ref = words_gemv(x, w.data, w.scale, r, bw, 4, ahead, cvt).float(), fp8_linear_reference(x, w).float()
-    res.append(dict(same_buffer=True, finite=bool(torch.isfinite(y).all()), rel=float((y - ref).norm() / ref.norm()),
-                    worst=float(((y - ref).abs() / (ref.abs() + 1e-2 * ref.abs().max())).max()),
-                    ref_norm=float(ref.norm()), tol=1e-2))
-print("RESULT " + json.dumps(res))
-"""
+def words_gemv_results(cases: list, dev: str) -> list[dict]:
+    """The probe's words GEMV against fp8_linear_reference for each ((out, in, r, bw), ahead, cvt) on `dev`, as
+    `check_in_interpreter` rows (plus `worst`: the largest error relative to the element, floored at 1% of the
+    largest |ref|): every finite e4m3 code (subnormals and -0 included) among the weights and the scale bytes
+    varied per block, so that a wrong bit move or a wrong block lookup shows."""
+    from bench.read_probe import words_gemv
+    from moebox.bench.synthetic import _fp8
+    from moebox.ops.triton.fp8_linear import fp8_linear_reference
+    from moebox.weights.schema import TensorSpec
+    g = torch.Generator().manual_seed(0)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)   # every e4m3 but NaN
+    res = []
+    for (out_f, in_f, r, bw), ahead, cvt in cases:
+        w = _fp8(TensorSpec("w", (out_f, in_f), "fp8"), g, torch.device("cpu"))
+        w.data.view(torch.uint8)[0, :codes.numel()] = codes
+        w.scale.view(torch.uint8).copy_(torch.randint(110, 125, w.scale.shape, generator=g, dtype=torch.uint8))
+        w = type(w)(w.kind, w.data.to(dev), w.scale.to(dev), w.block)
+        x = torch.randn(1, in_f, generator=g).to(torch.bfloat16).to(dev)
+        y, ref = words_gemv(x, w.data, w.scale, r, bw, 4, ahead, cvt).float(), fp8_linear_reference(x, w).float()
+        res.append(dict(same_buffer=True, finite=bool(torch.isfinite(y).all()),
+                        rel=float((y - ref).norm() / ref.norm()),
+                        worst=float(((y - ref).abs() / (ref.abs() + 1e-2 * ref.abs().max())).max()),
+                        ref_norm=float(ref.norm()), tol=1e-2))
+    return res
 
 
 def test_read_probe_words_gemv_matches_the_fp8_reference_in_the_interpreter():
     """The probe's words GEMV (4 e4m3 weights an int32 word, their bits moved into f32s; with and without the next
-    step's words loaded ahead) computes fp8_linear_reference, with every finite e4m3 code (subnormals and -0
-    included) among the weights and the scale bytes varied per block, so that a wrong bit move or a wrong block
-    lookup shows."""
+    step's words loaded ahead) computes fp8_linear_reference (`words_gemv_results`)."""
     from tests.interpreter import check_in_interpreter
     cases = [((256, 512, 16, 64), False, False), ((128, 1024, 8, 128), True, False), ((256, 256, 32, 32), True, False)]
-    check_in_interpreter(f"CASES = {cases!r}" + _WORDS_GEMV_CASES.replace("sys.argv[2]", "'cpu'"))
+    check_in_interpreter(f"""
+import sys, json; sys.path.insert(0, sys.argv[1])
+from tests.test_bench import words_gemv_results
+print("RESULT " + json.dumps(words_gemv_results({cases!r}, "cpu")))
+""")
 
 
 @pytest.mark.gpu
@@ -359,10 +362,7 @@ def test_read_probe_words_gemv_matches_the_fp8_reference_on_the_gpu():
     ahead or not, at the tilings the probe times, against fp8_linear_reference on the GPU."""
     cases = [((shape[0], shape[1], r, bw), ahead, cvt) for shape in ((4096, 4096), (32768, 1024))
              for r, bw in ((8, 256), (32, 256), (16, 128)) for ahead in (False, True) for cvt in (False, True)]
-    out = subprocess.run([sys.executable, "-c", f"CASES = {cases!r}" + _WORDS_GEMV_CASES, str(ROOT), "cuda"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    for r in json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:]):
+    for r in words_gemv_results(cases, "cuda"):
         assert r["finite"] and r["rel"] < 1e-2 and r["worst"] < 0.05, r
 
 
