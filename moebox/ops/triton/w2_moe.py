@@ -509,6 +509,19 @@ if HAVE_TRITON:
                 tl.load(w3c_ptr + c_row + wb), tl.load(w3s_ptr + s_row + wb // 2), wb)
 
     @triton.jit
+    def _gate_operands(xp_ptr, e, t, row, g, rho, w, s_expert_stride, HW: tl.constexpr, TX: tl.constexpr,
+                       USE_ASM: tl.constexpr):
+        """A gate-up program's scale-byte offsets (before the K tile's) and x pointers (term, fragment slot) of its
+        [16 S, 16] tile, expert e (int64), token t, h rows `row`."""
+        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
+            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
+            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
+        else:
+            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
+            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
+        return s_row, x_row
+
+    @triton.jit
     def _gate_up_store(acc_g, acc_u, hp_ptr, rw_ptr, p, rw, limit, pos, I: tl.constexpr, TX: tl.constexpr,
                        TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr, USE_ASM: tl.constexpr):
         """Gate-up's end: the tiles' sums [2, 8] (rep, lane group), clamped, silu(gate) * up * the routing weight,
@@ -539,12 +552,7 @@ if HAVE_TRITON:
         r = 8 * rho + g
         row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
         c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
-        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
-            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
-            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
-        else:
-            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
-            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
+        s_row, x_row = _gate_operands(xp_ptr, e, t, row, g, rho, w, s_expert_stride, HW, TX, USE_ASM)
         LAST: tl.constexpr = HW // 16 - 1
         acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
         acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
@@ -593,12 +601,7 @@ if HAVE_TRITON:
         e = tl.load(ids_ptr + p).to(tl.int32)
         g, sp, rho, w = _tile_coords(S)
         row = 16 * rw + 8 * rho + g
-        if USE_ASM:
-            s_row = e.to(tl.int64) * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
-            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
-        else:
-            s_row = e.to(tl.int64) * s_expert_stride + row * (HW // 2) + w // 2
-            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
+        s_row, x_row = _gate_operands(xp_ptr, e.to(tl.int64), t, row, g, rho, w, s_expert_stride, HW, TX, USE_ASM)
         LAST: tl.constexpr = HW // 16 - 1
         acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
         acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
