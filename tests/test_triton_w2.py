@@ -3,15 +3,14 @@
 - CPU: the reference/dispatcher, the plane helpers, config checks; the kernels themselves in Triton's
   interpreter (TRITON_INTERPRET=1 is read when triton is imported, so those checks run in a subprocess): the mma
   variant (its interpreter twin of the inline asm, same x/h pair layout, bf16 terms, scale bytes, K split over
-  warps, prefetch depths, gate-up's TMA ring) with fp32 and fp16 x, the fma variant with fp32 x; an sm_90 build
-  of the mma kernels on CPU (no GPU needed) that checks what the inline asm relies on: its operands in the mma
-  fragment layout, no layout conversion in the loop, every HMMA in the loop, the SASS instructions per weight, and
-  for the TMA gate-up its code tiles as TMA copies in the loop; and the
+  warps, prefetch depths) with fp32 and fp16 x, the fma variant with fp32 x; an sm_90 build of the mma
+  kernels on CPU (no GPU needed) that checks what the inline asm relies on: its operands in the mma fragment
+  layout, no layout conversion in the loop, every HMMA in the loop, the SASS instructions per weight; and the
   inline PTX itself run in a one-warp emulator (mma.sync fragments as the PTX ISA defines them) vs a plain dot.
 - GPU (marker `gpu`, skipped without CUDA): small and real V4-Flash shapes (H=4096, I=2048, E=256, k=6),
   N in {1, 3, 16}, bf16 / fp16 / fp32 activations, the default config, the fma variant and other mma configs,
   outputs poisoned with NaN before each run; a shape the mma kernels do not take; layer-buffer views; a CUDA-graph
-  replay of the default, the TMA gate-up and the fma variant.
+  replay of the default and the fma variant.
 """
 
 from __future__ import annotations
@@ -95,27 +94,9 @@ def test_stack_planes_and_layer_views_layout() -> None:
 def test_config_checks() -> None:
     assert DEFAULT_CONFIG.variant == "mma"
     assert len({name for name, _ in SWEEP}) == len(SWEEP) and DEFAULT_CONFIG in {cfg for _, cfg in SWEEP}
-    for bad in (dict(variant="wgmma"), dict(gate_split=3), dict(down_split=0), dict(prefetch=3), dict(gate_tma=1),
-                dict(gate_tma=9), dict(gate_tma=-2)):
+    for bad in (dict(variant="wgmma"), dict(gate_split=3), dict(down_split=0), dict(prefetch=3)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
-
-
-def test_gate_tma_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOEBOX_GATE_TMA sets the TMA gate-up's stages in every default tiling (what the decode A/B switches), and a
-    bad value names the variable."""
-    monkeypatch.delenv("MOEBOX_GATE_TMA", raising=False)
-    plain = {n: w2_mod.default_config(n) for n in (1, 2, 8)}
-    assert all(cfg.gate_tma == 0 for cfg in plain.values()) and len(set(plain.values())) == 3
-    monkeypatch.setenv("MOEBOX_GATE_TMA", "4")
-    assert all(w2_mod.default_config(n) == replace(cfg, gate_tma=4) for n, cfg in plain.items())
-    for bad in ("x", "-1"):
-        monkeypatch.setenv("MOEBOX_GATE_TMA", bad)
-        with pytest.raises(ValueError, match="MOEBOX_GATE_TMA"):
-            w2_mod.default_config(1)
-    monkeypatch.setenv("MOEBOX_GATE_TMA", "9")
-    with pytest.raises(ValueError, match="gate_tma"):
-        w2_mod.default_config(1)
 
 
 _INTERPRETER_SETUP = textwrap.dedent("""
@@ -171,16 +152,12 @@ _INTERPRETER_SETUP = textwrap.dedent("""
 _INTERPRETER_MMA = _INTERPRETER_SETUP + textwrap.dedent("""
     # the mma variant takes H, I multiples of 256. Cases: the default config (one K tile per warp); splits and
     # prefetch depths that give warps several tiles and clamp the prefetch past the end (odd k, no limit);
-    # fp16 x (2 bf16 terms of x, 2 of h) with a clamp-dominated limit; gate-up's TMA ring (its descriptors' boxes,
-    # h rows in their natural order) with fp32 and fp16 x, and on layer views (an expert stride of a whole slot)
+    # fp16 x (2 bf16 terms of x, 2 of h) with a clamp-dominated limit
     default = DecodeConfig()
     run([(256, 256, 4, 2, 2, 10.0, torch.float32, default, 1e-5),
          (256, 512, 5, 3, 1, None, torch.float32, DecodeConfig(gate_split=1, down_split=2, prefetch=1), 1e-5),
-         (512, 256, 4, 2, 1, 0.05, torch.float16, DecodeConfig(gate_split=1, down_split=1, prefetch=2), 2e-3),
-         (512, 256, 4, 2, 2, 10.0, torch.float32, DecodeConfig(gate_tma=3), 1e-5),
-         (512, 256, 5, 3, 1, 0.05, torch.float16, DecodeConfig(gate_split=1, gate_tma=2), 2e-3)])
+         (512, 256, 4, 2, 1, 0.05, torch.float16, DecodeConfig(gate_split=1, down_split=1, prefetch=2), 2e-3)])
     run_layer_views(256, 256, 1, default)
-    run_layer_views(256, 256, 1, DecodeConfig(gate_tma=2))
     print("RESULT " + json.dumps(results))
 """)
 
@@ -245,29 +222,6 @@ def test_mma_kernels_build_for_sm90() -> None:
         assert ops.get("HADD2", 0) == moved and ops["SHF"] == base["SHF"] - moved, (ops, base)
         assert ops["PRMT"] <= base["PRMT"] + 1 and ops.get("MOV", 0) <= base.get("MOV", 0), (ops, base)
         assert fma["spills"] == 0, fma
-
-
-@pytest.mark.slow
-@needs_triton
-@pytest.mark.parametrize("split,stages", [(2, 3), (1, 6)])
-def test_tma_gate_up_builds_for_sm90(split: int, stages: int) -> None:
-    """The TMA gate-up's sm_90 build: its code tiles arrive by TMA copies inside the pipelined loop (w1 and w3)
-    into a ring of STAGES - 1 buffers, x's fragments are plain loads (no cp.async copies through shared memory), its
-    asm operands keep the mma fragment layout with no conversion in the loop, every mma is in the loop, nothing
-    spills, and it holds fewer registers than the register-prefetch kernel (the point of the ring)."""
-    from moebox.ops.triton.w2_moe import sass_report
-    plain = sass_report("gate_up", split, 1)
-    rep = sass_report("gate_up", split, 1, gate_tma=stages)
-    assert rep["asm_layout"] == {"sizePerThread": [1, 4], "threadsPerWarp": [8, 4], "warpsPerCTA": [split, 1],
-                                 "order": [1, 0]}, rep
-    assert rep["tma_copies"] == 2 and rep["cp_async"] == 0, rep
-    assert rep["loop_converts"] == 0 and rep["spills"] == 0, rep
-    ops = rep["loop_ops"]
-    assert ops.get("UTMALDG", 0) == 2 and ops.get("HMMA", 0) == rep["weights_per_iter"] // 8, ops
-    assert ops.get("LDGSTS", 0) == 0 and ops.get("LDG", 0) >= 8, ops   # x: 4 fragments x 2 reps, 16-byte loads
-    assert rep["registers"] < plain["registers"], (rep["registers"], plain["registers"])
-    tile = 2 * 16 * split * 16 * 4                # the w1 and w3 [16 S, 16] int32 tiles of one K step
-    assert (stages - 1) * tile <= rep["shared_bytes"] < stages * tile, rep["shared_bytes"]
 
 
 @pytest.mark.parametrize("terms,selector_fma", [(1, False), (3, False), (1, True), (3, True)])
@@ -397,21 +351,20 @@ def test_gpu_fp16_no_limit_odd_shape_and_layer_views() -> None:
     ids, w = random_routing(n, e, k, device="cuda", seed=2)
     x = torch.randn(n, hidden, device="cuda")
     ref = w2_moe_decode_reference(x, ids, w, *stack_planes(experts, device="cuda"), 10.0)
-    for cfg in (DEFAULT_CONFIG, replace(DEFAULT_CONFIG, gate_tma=3), replace(DEFAULT_CONFIG, variant="fma")):
+    for cfg in (DEFAULT_CONFIG, replace(DEFAULT_CONFIG, variant="fma")):
         out = torch.full((n, hidden), float("nan"), device="cuda")
         y = w2_moe_decode_split(x, ids, w, *layer_views(buf.cuda(), hidden, inter), 10.0, out=out, config=cfg)
         torch.cuda.synchronize()
         assert torch.isfinite(y).all() and rel_err(y, ref) < 1e-5, (cfg.variant, rel_err(y, ref))
 
 
-@pytest.mark.parametrize("variant", ["mma", "tma", "fma"])
+@pytest.mark.parametrize("variant", ["mma", "fma"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graph_replay(variant: str) -> None:
-    """The call captures in a CUDA graph; replays follow new routing written into the static inputs (for the TMA
-    gate-up: its descriptors are captured once, the expert in each box's coordinates is read in the kernel)."""
+    """The call captures in a CUDA graph; replays follow new routing written into the static inputs."""
     from moebox.ops.triton.w2_moe import w2_moe_decode_triton
-    cfg = replace(DEFAULT_CONFIG, gate_tma=3) if variant == "tma" else replace(DEFAULT_CONFIG, variant=variant)
+    cfg = replace(DEFAULT_CONFIG, variant=variant)
     hidden, inter, experts, k, n = SMALL["hidden"], SMALL["inter"], SMALL["experts"], SMALL["k"], 4
     planes = _gpu_planes(hidden, inter, experts)
     ids, w = random_routing(n, experts, k, device="cuda", seed=0)

@@ -223,17 +223,14 @@ def packed_asm_layout(ttgir: str) -> dict[str, list[int]]:
 def loop_sass(cubin: bytes) -> tuple[dict[str, int], int, int, bool]:
     """(op counts of the longest loop's body, registers, spill stack bytes, whether there is a loop) of a compiled
     kernel's SASS: what the `--sass` reports compare between tilings on a machine without a GPU. The loop is the
-    longest span closed by a backward branch that holds no EXIT (the whole kernel when there is none; the spans
-    left out are the jumps back into a loop from the retry code of its mbarrier waits, placed after the kernel's
-    end)."""
+    longest span closed by a backward branch (the whole kernel when there is none)."""
     import collections
     import re
     sass, usage = cubin_dump(cubin)
     line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"   # address, optional predicate
     ins = [(int(a, 16), op) for a, op in re.findall(line + r"([A-Z][\w.]*)", sass)]
-    exits = [a for a, op in ins if op == "EXIT"]
     back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", sass)
-            if int(t, 16) < int(a, 16) and not any(int(t, 16) <= e <= int(a, 16) for e in exits)]
+            if int(t, 16) < int(a, 16)]
     lo, hi = max(back, key=lambda b: b[1] - b[0]) if back else (0, ins[-1][0])
     ops = collections.Counter(op.split(".")[0] for a, op in ins if lo <= a <= hi)
     return (dict(ops.most_common()), int(re.search(r"REG:(\d+)", usage).group(1)),

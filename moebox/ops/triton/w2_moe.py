@@ -130,16 +130,13 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   down's planes of their expert (one bulk prefetch of a 1/I-th slice each, at their start or after their K loop),
   so that down reads L2: a call 26.6 -> 28.9 (start) / 26.8 (end) us at N = 1, slower at N = 2-8, and decode at
   batch 1 / 2 / 8 4.82 / 6.17 / 11.66 -> 4.90 / 6.37 / 12.18 ms (start), 4.81 / 6.19 / 11.99 (end).
-
-Gate-up through the TMA (`DecodeConfig.gate_tma`, MOEBOX_GATE_TMA; thirty-ninth session, built and checked on the
-CPU, not yet timed): `_gate_up_tma_kernel` is the mma gate-up with its code tiles brought by the TMA (5-d tensor
-descriptors, one box a program and K step) into a shared-memory ring that Triton's pipeliner keeps gate_tma - 1
-steps ahead with mbarriers, so a program's bytes in flight no longer cost registers: what the one-token call lacks
-(gate-up's grid fills 16% of the SMs' warp slots, and its loads one step ahead in registers leave DRAM at
-~1.6 TB/s). The sm_90 build (Triton 3.6 and 3.9): 95-96 registers against 126-128, no spills, the asm's operands
-in the fragment layout, 1.88-1.94 instructions a weight in the loop against 1.70 (the ring's barriers, waits and
-shared-memory loads), 4-16 KB of shared memory a program at 3 stages. Its scale bytes load one step ahead in
-registers and x in the step, as the register-prefetch kernel's do.
+  Also tried and dropped (thirty-ninth session built it, the forty-first timed it; commit 1091603 has the code): a
+  gate-up whose code tiles came by the TMA (5-d descriptors, one box a program and K step) into a shared-memory
+  ring that Triton's pipeliner kept 2-5 steps ahead, so that bytes in flight cost no registers (95-96 against
+  126-128), for 1.88-1.94 instructions a weight against 1.70 (the ring's barriers, waits and shared-memory loads).
+  A call at N = 1 / 2 / 4 / 8: 27.0 / 50.5 / 92.2 / 170.8 us with 3 stages against 26.6 / 50.5 / 88.1 / 155.2 for
+  the defaults, 6 stages slower still; decode at batch 1 / 2 / 8 4.96 / 6.21 / 11.68 ms (3 stages) and 5.24 / 6.44
+  / 11.90 (6) against 4.82 / 6.16 / 11.65. So more bytes in flight do not speed the one-token call either.
 
 Variant "fma" (CUDA cores, exact fp32): `_gate_up_kernel`, grid (N*k, I/ROWS), and `_down_kernel`, grid
 (N, H/ROWS), same split of the work; [ROWS, WORDS] int32 tiles, per word ~10 ops give a "big" bit (codes 0, 3)
@@ -174,9 +171,8 @@ from moebox.ops.moe import routed_experts
 from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, env_count, graph_us,  # noqa: F401
-                                       interpreting, loop_sass, packed_asm_layout, pdl_args, pdl_start, tl, triton,
-                                       versions)
+from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, interpreting,  # noqa: F401
+                                       loop_sass, packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
 
 
 @dataclass(frozen=True)
@@ -186,8 +182,7 @@ class DecodeConfig:
     K steps ahead the code/scale loads run (1 or 2); selector_fma: the unpack's upper PRMT selectors moved by an f16x2
     add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`). "fma": ROWS output rows x WORDS
     code words per program and step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run
-    "fma". gate_tma: 0, or the stages of a shared-memory ring through which gate-up's code tiles arrive by the TMA
-    (`_gate_up_tma_kernel`, whose scale bytes load one K step ahead whatever prefetch says)."""
+    "fma"."""
 
     gate_rows: int = 16
     gate_words: int = 32
@@ -202,14 +197,12 @@ class DecodeConfig:
     down_split: int = 8
     prefetch: int = 1
     selector_fma: bool = False
-    gate_tma: int = 0
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
-        if (self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or self.gate_tma == 1
-                or not 0 <= self.gate_tma <= 8 or any(v < 1 or v & (v - 1) for v in pow2)):
-            raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, gate_tma 0 or 2-8 stages, "
-                             "blocks powers of two")
+        if self.variant not in ("mma", "fma") or self.prefetch not in (1, 2) or any(v < 1 or v & (v - 1)
+                                                                                     for v in pow2):
+            raise ValueError(f"bad decode config {self}: variant mma/fma, prefetch 1/2, blocks powers of two")
 
 
 DEFAULT_CONFIG = DecodeConfig()
@@ -222,10 +215,8 @@ MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
 
 def default_config(n: int) -> DecodeConfig:
     """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth and
-    twenty-fourth sessions). MOEBOX_GATE_TMA = stages (2-8) sets `gate_tma` (0: off, the default)."""
-    cfg = BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
-    stages = env_count("MOEBOX_GATE_TMA", 0, "0 or a stage count 2-8", least=0)
-    return replace(cfg, gate_tma=stages) if stages else cfg
+    twenty-fourth sessions)."""
+    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
 
 
 def expert_bytes(hidden: int, intermediate: int) -> int:
@@ -509,34 +500,6 @@ if HAVE_TRITON:
                 tl.load(w3c_ptr + c_row + wb), tl.load(w3s_ptr + s_row + wb // 2), wb)
 
     @triton.jit
-    def _gate_operands(xp_ptr, e, t, row, g, rho, w, s_expert_stride, HW: tl.constexpr, TX: tl.constexpr,
-                       USE_ASM: tl.constexpr):
-        """A gate-up program's scale-byte offsets (before the K tile's) and x pointers (term, fragment slot) of its
-        [16 S, 16] tile, expert e (int64), token t, h rows `row`."""
-        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
-            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
-            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
-        else:
-            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
-            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
-        return s_row, x_row
-
-    @triton.jit
-    def _gate_up_store(acc_g, acc_u, hp_ptr, rw_ptr, p, rw, limit, pos, I: tl.constexpr, TX: tl.constexpr,
-                       TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr, USE_ASM: tl.constexpr):
-        """Gate-up's end: the tiles' sums [2, 8] (rep, lane group), clamped, silu(gate) * up * the routing weight,
-        stored as h's bf16 terms at pair-layout positions 2 pair + half `pos` [2, 8] of word rw."""
-        gate = _reduce_tile(acc_g, TX, S, USE_ASM)
-        up = _reduce_tile(acc_u, TX, S, USE_ASM)
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
-        IW: tl.constexpr = I // 16
-        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, pos // 2) + pos % 2, h,
-                          TH, IW * 16)
-
-    @triton.jit
     def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
@@ -552,7 +515,12 @@ if HAVE_TRITON:
         r = 8 * rho + g
         row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
         c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
-        s_row, x_row = _gate_operands(xp_ptr, e, t, row, g, rho, w, s_expert_stride, HW, TX, USE_ASM)
+        if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
+            s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
+            x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
+        else:
+            s_row = e * s_expert_stride + row * (HW // 2) + w // 2
+            x_row = xp_ptr + t.to(tl.int64) * (TX * HW * 8) + _pair_slot(w, 0) + 0 * g
         LAST: tl.constexpr = HW // 16 - 1
         acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
         acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
@@ -577,61 +545,16 @@ if HAVE_TRITON:
                 d1, e1, d3, e3, db = n1, m1, n3, m3, nb
             else:
                 c1, s1, c3, s3, wb = n1, m1, n3, m3, nb
-        # the tile's row r = 2 j + half is the h row of pair j, half (see `row` above)
-        _gate_up_store(acc_g, acc_u, hp_ptr, rw_ptr, p, rw, limit, 8 * tl.arange(0, 2)[:, None] +
-                       tl.arange(0, 8)[None, :], I, TX, TH, HAS_LIMIT, S, USE_ASM)
-
-    @triton.jit
-    def _gate_up_tma_kernel(xp_ptr, ids_ptr, rw_ptr, w1d, w1s_ptr, w3d, w3s_ptr, hp_ptr, s_expert_stride, limit,
-                            I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
-                            TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr, STAGES: tl.constexpr,
-                            USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr, PDL: tl.constexpr):
-        """`_gate_up_mma_kernel` with its code tiles brought by the TMA into a shared-memory ring (Triton's
-        pipeliner: STAGES - 1 buffers and mbarriers), so that a program's bytes in flight no longer cost registers
-        (sm_90 build: 95-96 registers against 126-128). w1d / w3d: 5-d descriptors of the codes, [E, I/8 row
-        octets, HW/16 K tiles, 8 rows, 16 words] with box [1, 2, S, 8, 16]: one load is the program's [16 S, 16]
-        tile of `_tile_coords` (row rho * 8 S + s * 8 + g = h row 16 rw + 8 rho + g, K tile u0 + s), rows in
-        their natural order, so h's store places row c at pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1 as
-        `_pack_x_kernel` places x's columns. Scale bytes come one K step ahead in registers (1-byte loads, which
-        the pipeliner leaves), x in the step as in the register-prefetch kernel."""
-        pdl_start(PDL)
-        p = tl.program_id(0)                        # (token, expert) pair, t * K + j
-        rw = tl.program_id(1)                       # 16 rows of I: one word of h
-        t = p // K
-        e = tl.load(ids_ptr + p).to(tl.int32)
-        g, sp, rho, w = _tile_coords(S)
-        row = 16 * rw + 8 * rho + g
-        s_row, x_row = _gate_operands(xp_ptr, e.to(tl.int64), t, row, g, rho, w, s_expert_stride, HW, TX, USE_ASM)
-        LAST: tl.constexpr = HW // 16 - 1
-        acc_g = tl.zeros((16 * S, 16), dtype=tl.float32)
-        acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
-        s1 = tl.load(w1s_ptr + s_row + sp * 8)
-        s3 = tl.load(w3s_ptr + s_row + sp * 8)
-        for u0 in tl.range(0, LAST + 1, S, num_stages=STAGES):
-            c1 = tl.reshape(w1d.load([e, 2 * rw, u0, 0, 0]), (16 * S, 16))
-            c3 = tl.reshape(w3d.load([e, 2 * rw, u0, 0, 0]), (16 * S, 16))
-            nb = tl.minimum(u0 + S + sp, LAST) * 8
-            m1 = tl.load(w1s_ptr + s_row + nb)
-            m3 = tl.load(w3s_ptr + s_row + nb)
-            wb = (u0 + sp) * 16
-            if USE_ASM:
-                # the same loads in both branches of an if on a loaded value: Triton's pipeliner leaves loads nested
-                # in an if where they are (at the loop's top level it turns them into cp.async copies, 8 lane
-                # groups' copies of the same 512 bytes through shared memory), and LLVM then merges the branches
-                # into plain loads (the sm_90 build test checks both)
-                if e >= 0:
-                    x0, x1, x2, x3 = _b_fragments(x_row + wb * 8)
-                else:
-                    x0, x1, x2, x3 = _b_fragments(x_row + wb * 8)
-                acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g, SELECTOR_FMA)
-                acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u, SELECTOR_FMA)
-            else:
-                acc_g += _plain_word_dot(c1, s1.to(tl.int32), x_row + wb * 8, TX, HW * 8)
-                acc_u += _plain_word_dot(c3, s3.to(tl.int32), x_row + wb * 8, TX, HW * 8)
-            s1, s3 = m1, m3
-        c = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + c
-        _gate_up_store(acc_g, acc_u, hp_ptr, rw_ptr, p, rw, limit, 2 * ((c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1),
-                       I, TX, TH, HAS_LIMIT, S, USE_ASM)
+        gate = _reduce_tile(acc_g, TX, S, USE_ASM)
+        up = _reduce_tile(acc_u, TX, S, USE_ASM)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
+        IW: tl.constexpr = I // 16
+        r_out = 8 * tl.arange(0, 2)[:, None] + tl.arange(0, 8)[None, :]   # h row 16 rw + r_out: pair r_out // 2
+        _store_bf16_terms(hp_ptr, p.to(tl.int64) * TH * IW * 16 + 2 * _pair_slot(rw, r_out // 2) + r_out % 2, h,
+                          TH, IW * 16)
 
     @triton.jit
     def _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride, t, u,
@@ -746,34 +669,17 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     use_asm = not interpreting()
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
-    lim = float(limit) if has_limit else 0.0
-    if cfg.gate_tma:
-        w1d, w3d = (_code_tiles(c, gate_split) for c in (w1c, w3c))
-        _gate_up_tma_kernel[(pairs, iw)](
-            xp, ids, rw, w1d, w1s, w3d, w3s, hp.view(torch.int16), w1s.stride(0), lim,
-            I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, STAGES=cfg.gate_tma,
-            USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
-            num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_tma_kernel))
-    else:
-        _gate_up_mma_kernel[(pairs, iw)](
-            xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16), w1c.stride(0), w1s.stride(0), lim,
-            I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-            USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
-            num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
+    _gate_up_mma_kernel[(pairs, iw)](
+        xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
+        w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
+        I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
+        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
+        num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hw)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
         num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
-
-
-def _code_tiles(codes: torch.Tensor, split: int):
-    """The TMA descriptor of gate-up's code tiles (`_gate_up_tma_kernel`): int32 codes [E, I, HW] (rows contiguous,
-    any expert stride of whole 16 bytes) as [E, I/8, HW/16, 8, 16], a box per program and K step."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    e, inter, hw = codes.shape
-    return TensorDescriptor(codes, [e, inter // 8, hw // 16, 8, 16], [codes.stride(0), 8 * hw, 16, hw, 1],
-                            [1, 2, split, 8, 16])
 
 
 def _empty_packed(x: torch.Tensor) -> torch.Tensor:
@@ -994,40 +900,30 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False, gate_tma: int = 0) -> dict:
+def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
     """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
-    layout of the asm operands, layout conversions inside the K loop, registers and spill stack, the SASS
-    of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA), and for gate-up
-    with `gate_tma` stages (`_gate_up_tma_kernel`) the pipeliner's TMA copies and cp.async copies and its
-    shared memory."""
-    const: dict[str, object] = dict(USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
-    if kernel == "gate_up" and gate_tma:
-        desc = f"tensordesc<i32[1, 2, {split}, 8, 16]>"
-        fn, types = _gate_up_tma_kernel, ("*i32", "*i64", "*fp32", desc, "*u8", desc, "*u8", "*i16", "i32",
-                                          "fp32")
-        const.update(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, S=split, STAGES=gate_tma)
-    elif kernel == "gate_up":
+    layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
+    of the loop body (op counts, instructions per weight; one lane handles 8 weights per HMMA)."""
+    if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
                                           "i32", "i32", "fp32")
-        const.update(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, S=split, PREFETCH=prefetch)
+        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True)
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
-        const.update(IW=128, K=6, TH=2, S=split, PREFETCH=prefetch)
+        const = dict(IW=128, K=6, TH=2)
+    const.update(S=split, PREFETCH=prefetch, USE_ASM=True, SELECTOR_FMA=selector_fma, PDL=False)
     sig = dict(zip(fn.arg_names, types))
-    compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty[0] == "*" or ty == "i32"],
-                          num_warps=split, num_stages=1)
+    compiled = build_sm90(fn, sig, const, [a for a, ty in sig.items() if ty != "fp32"], num_warps=split,
+                          num_stages=1)
     ttgir = compiled.asm["ttgir"]
     steps = (16 if kernel == "gate_up" else 48) // split   # K steps of a warp; a loop of <= prefetch unrolls
-    loop = ttgir[ttgir.index("scf.for"):ttgir.rindex("scf.yield")] if "scf.for" in ttgir else ttgir
+    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")] if "scf.for" in ttgir else ttgir
     ops, registers, spills, looped = loop_sass(compiled.asm["cubin"])
-    # weights per lane and loop iteration (unrolled by prefetch; the TMA kernel's loop is not unrolled), or per
-    # whole kernel without a loop
-    weights = (2 if kernel == "gate_up" else 1) * 128 * ((1 if gate_tma else prefetch) if looped else steps)
-    return {"kernel": kernel, "split": split, "prefetch": prefetch, "gate_tma": gate_tma,
-            "asm_layout": packed_asm_layout(ttgir), "loop_converts": loop.count("convert_layout"),
-            "tma_copies": loop.count("async_tma_copy_global_to_local"), "cp_async": loop.count("async_copy_global"),
-            "shared_bytes": compiled.metadata.shared, "registers": registers, "spills": spills,
+    # weights per lane and loop iteration (unrolled by prefetch), or per whole kernel without a loop
+    weights = (2 if kernel == "gate_up" else 1) * 128 * (prefetch if looped else steps)
+    return {"kernel": kernel, "split": split, "prefetch": prefetch, "asm_layout": packed_asm_layout(ttgir),
+            "loop_converts": loop.count("convert_layout"), "registers": registers, "spills": spills,
             "loop_ops": ops, "weights_per_iter": weights, "instructions_per_weight": sum(ops.values()) / weights}
 
 
@@ -1035,10 +931,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
     [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
      for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
-    + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG)]
-    + [(f"mma g{g} d16 tma{st}", DecodeConfig(gate_split=g, down_split=16, gate_tma=st))
-       for g, st in ((2, 3), (2, 6), (1, 4))]
-    + [("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
+    + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG), ("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16), hidden: int = 4096,
