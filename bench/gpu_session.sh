@@ -51,8 +51,9 @@
 #                                       # other sizes, KINDS other layer kinds, e.g. hca4k)
 #   bash bench/gpu_session.sh index     # the indexer's score kernel against the torch function, then decode at 4K
 #                                       # and 64K with it off / on (MOEBOX_INDEX_KERNEL)
-#   bash bench/gpu_session.sh pipes     # warp instructions a cycle and SM of PRMT, LOP3, SHF, F2FP, HFMA2, IMAD...
-#                                       # alone, paired and in the gate-up loop's mix (bench/pipe_probe.py)
+#   bash bench/gpu_session.sh pipes     # warp instructions a cycle and SM of PRMT, LOP3, SHF, F2FP, HFMA2, IMAD,
+#                                       # the bf16 / s8 / b1 mma.sync... alone, paired and in the gate-up loop's
+#                                       # mix (bench/pipe_probe.py)
 #   bash bench/gpu_session.sh ncu       # Nsight Compute on the expert and FP8 decode kernels (bench/kernel_probe.py)
 #   bash bench/gpu_session.sh profile   # the kernels of a decode step with PDL off (PDL blurs per-kernel times)
 #   bash bench/gpu_session.sh pair      # on nvidia-h200-x2: the phases in PHASES0 (default "train") on GPU 0 in

@@ -6,7 +6,8 @@ conversion (`cvt.rn.f16x2.e4m3x2`, F2FP in SASS) or bf16x2 FMAs. This measures, 
 instructions of each kind issue when a kernel does nothing else (8 independent chains a thread), alone and
 paired: if a pair runs at the sum of the two rates, they use different pipes. Then mixes in the proportions of the
 gate-up loop's SASS, as it is and with some of its shifts moved to other pipes (docs/benchmarks.md, twenty-fourth
-session, has the H200's numbers).
+session, has the H200's numbers). The tensor-core steps (bf16, s8 and b1 mma.sync) say what a dequant that
+moves work onto the tensor cores can issue beside the ALU and FMA pipes.
 
     python -m bench.pipe_probe          # CUDA only; prints warp instructions / cycle / SM
 """
@@ -40,9 +41,21 @@ OPS = {   # one step of a chain on the 32-bit register {r} (read and written)
     # but a chain of those is idempotent, so here it adds ~1 (alone, ptxas packs two chains' equal halves into one
     # HADD2: read its rate from the pair with LOP3)
     "hadd2_h1": "{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, {r}; mov.b32 {r}, {{hi, hi}}; add.rn.f16x2 {r}, {r}, k3; }}",
+    # int32 -> fp32 (I2FP in sm_90 SASS): what folding an integer mma's results into a float sum costs per result
+    "i2f": "cvt.rn.f32.s32 {r}, {r};",
+    # tensor-core steps: one mma on all four registers as its accumulators (so a block is one chain of them; 64 warps
+    # an SM keep 128 chains in flight), A and B from the constants. bf16 (what the expert kernels issue), s8, and
+    # b1 AND-popc, which sm_90 builds as one native BMMA (s4 it emulates with two IMMAs and conversions)
+    "hmma": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{k1, k1, k1, k1}}, {{k1, k1}}, "
+            "{{$0, $1, $2, $3}};",
+    "imma": "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {{$0, $1, $2, $3}}, {{k1, k2, k3, k1}}, {{k2, k3}}, "
+            "{{$0, $1, $2, $3}};",
+    "bmma": "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {{$0, $1, $2, $3}}, {{k1, k2, k3, k1}}, "
+            "{{k2, k3}}, {{$0, $1, $2, $3}};",
 }
 PAIRS = [("lop3", "hadd2_h1"), ("prmt", "cvt_e4m3"), ("lop3", "cvt_e4m3"), ("lop3", "hfma2_bf16"),
-         ("prmt", "hfma2_f16"), ("lop3", "imad"), ("lop3", "imad_hi"), ("prmt", "imad_hi"), ("lop3", "imad_wide")]
+         ("prmt", "hfma2_f16"), ("lop3", "imad"), ("lop3", "imad_hi"), ("prmt", "imad_hi"), ("lop3", "imad_wide"),
+         ("hmma", "prmt"), ("bmma", "imad"), ("bmma", "lop3"), ("lop3", "i2f"), ("imad", "i2f")]
 # the gate-up loop's mix (sm_90 SASS of an iteration: PRMT 135, SHF 92, LOP3 80, IMAD 76, i.e. ~8:5:5:4); the
 # same with 4 or 2 of the 5 shifts (its 64 `>> 16`) as IMAD.HI; and with 4 as the swizzled HADD2 (selector_fma):
 # the time a mix of 22 ops takes, in cycles an SM

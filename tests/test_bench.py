@@ -209,25 +209,46 @@ def test_timeline_kernels_sum_each_kernel_per_file(tmp_path, capsys):
 
 
 OPCODES = {"lop3": "LOP3", "shf": "SHF", "prmt": "PRMT", "cvt_e4m3": "F2FP", "hfma2_bf16": "HFMA2",
-           "hfma2_f16": "HFMA2", "imad": "IMAD", "imad_hi": "IMAD", "imad_wide": "IMAD", "hadd2_h1": "HADD2"}
+           "hfma2_f16": "HFMA2", "imad": "IMAD", "imad_hi": "IMAD", "imad_wide": "IMAD", "hadd2_h1": "HADD2",
+           "hmma": "HMMA", "imma": "IMMA", "bmma": "BMMA", "i2f": "I2FP"}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_pipe_probe_times_the_instructions_it_names():
     """Each pair and mix of bench/pipe_probe.py, built for sm_90 on this machine, has in its loop as many of the
-    SASS instructions it is named for as it counts (ptxas neither folds a chain away, packs two into one, nor turns
-    a run-time multiply into a shift) and little else, so the rates it prints are those instructions' rates."""
+    SASS instructions it is named for as it counts (ptxas neither folds a chain away, packs two into one, turns
+    a run-time multiply into a shift, nor emulates an mma: the b1 one is a native BMMA) and little else, so the
+    rates it prints are those instructions' rates."""
     from bench import pipe_probe as pp
     per_op = pp.REPEAT * pp.ELEMS                  # one op of a step list, per loop iteration and thread
     cases = [[a, b] for a, b in pp.PAIRS] + list(pp.MIXES.values())
     for ops in cases:
         counts, spills, looped = pp.sass_ops(ops)
+        if any(o.endswith("mma") for o in ops):   # ptxas pads mma runs with never-run uniform no-ops (@!UPT)
+            counts.pop("UIADD3", None)
         want = collections.Counter(OPCODES[o] for o in ops)
         assert looped and spills == 0, (ops, counts)
         for opcode, n in want.items():   # IMAD may also count a few register moves and the loop's counter
             assert per_op * n <= counts.get(opcode, 0) <= per_op * n + 8, (ops, opcode, counts)
         assert sum(counts.values()) <= per_op * len(ops) + 16, (ops, counts)   # + the loop's own few
+
+
+def test_bitplane_probe_planes_give_the_exact_product():
+    """bench/bitplane_probe.py's plane-by-plane sum (3 / 5 times the popcounts of a code's two bits against each x
+    bit plane, the sign plane negative, minus 4 times the group's x) is the levels' dot product: exact for x that
+    its integers hold (small integers at 16 bits), equal to the plain integer dot for any x, and its error against
+    the fp64 product is x's rounding, below the bf16 output's at 16 bits and above it at 8."""
+    from bench.bitplane_probe import integer_dot, plane_dot, random_w2, table
+    w = random_w2(32, 256)
+    ref = w.dequantize(torch.float64)
+    x = torch.randint(-100, 101, (256,)).double()
+    assert torch.equal(plane_dot(w, x, 16), ref @ x)
+    xb = torch.randn(256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).double()
+    for bits in (8, 12, 16):
+        assert torch.equal(plane_dot(w, xb, bits), integer_dot(w, xb, bits)), bits
+    for row in table(64, 512, [8, 16]):
+        assert row[16] < row["bf16 output"] / 10 < row[8], row
 
 
 _DROP_SCRIPT = """
