@@ -97,7 +97,11 @@ Variant "mma": tensor cores on bf16 operands dequantized in registers, three lau
   quarter rate and the loop's mix with it is no faster (why the IMAD.HI shifts lost). In that probe the loop's mix
   took 9.39 cycles an SM and 7.74 with selector_fma; in the kernels it gains 1-5% from 4 tokens (N = 8: 160 -> 155
   us, 16: 299 -> 286) and loses at 1-2 (N = 2: 51.6 -> 53.6; N = 1 at down split 16: 26.6 -> 31.5), where the longer
-  chain to the PRMT costs more than ALU issue saves, hence `default_config`.
+  chain to the PRMT costs more than ALU issue saves, hence `default_config`. Not built yet, priced in
+  docs/benchmarks.md (forty-first session): no dequant at all, on bit planes (level = 3 b0 + 5 b1 - 4), with
+  one native b1 mma (BMMA) against x as 16 bit planes with one exponent per 32 columns, ~1.35 instructions a weight
+  split over the ALU and FMA pipes. It needs a GPU-side plane layout, and first the BMMA's rate
+  (`bench/pipe_probe.py`).
   Tried and dropped (eighteenth session, commit 07e2fd2 has the code): e4m3 weights, 4 a PRMT
   straight from a word's codes (9 integer ops a word instead of 19), the scale folded into the PRMT's table against
   a per-row reference exponent, x as e4m3 terms, into mma.sync m16n8k32 e4m3. ptxas emulates FP8 mma.sync on sm_90
