@@ -18,11 +18,13 @@ rounding the output to bf16 (what the bf16 kernels' tolerance is).
 from __future__ import annotations
 
 import argparse
-from typing import Callable
 
 import torch
 
-from moebox.quant.w2 import W2Tensor, pack_levels
+from moebox.ops.triton.runtime import rel_err
+from moebox.ops.triton.w2_moe import random_planes
+from moebox.quant.w2 import LEVELS, W2Tensor
+from moebox.weights.formats import e8m0_to_float
 
 GROUP = 32
 
@@ -39,8 +41,7 @@ def quantize_groups(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
 
 def _group_scales(w: W2Tensor, e: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, groups] fp64: each group's E8M0 weight scale times x's group factor 2^(e - bits + 1)."""
-    s = w.scales.view(torch.uint8).long() - 127
-    return torch.exp2((s + e[None, :] - bits + 1).double())
+    return e8m0_to_float(w.scales).double() * torch.exp2((e - bits + 1).double())[None, :]
 
 
 def plane_dot(w: W2Tensor, x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -63,16 +64,14 @@ def plane_dot(w: W2Tensor, x: torch.Tensor, bits: int) -> torch.Tensor:
 def integer_dot(w: W2Tensor, x: torch.Tensor, bits: int) -> torch.Tensor:
     """The same sum as a plain integer dot of the levels and the quantized x, group by group."""
     q, e = quantize_groups(x, bits)
-    lv = (torch.tensor([-4, -1, 1, 4])[w.level_codes().long()]).reshape(w.shape[0], -1, GROUP)
+    lv = LEVELS.long()[w.level_codes().long()].reshape(w.shape[0], -1, GROUP)
     return ((lv * q.reshape(1, -1, GROUP)).sum(-1).double() * _group_scales(w, e, bits)).sum(-1)
 
 
-def random_w2(rows: int, cols: int, seed: int = 0) -> W2Tensor:
-    """Uniform codes, scale bytes 118..123 (as the benches' random planes)."""
-    g = torch.Generator().manual_seed(seed)
-    codes = pack_levels(torch.randint(0, 4, (rows, cols), generator=g))
-    scales = torch.randint(118, 124, (rows, cols // GROUP), generator=g, dtype=torch.uint8)
-    return W2Tensor(codes, scales.view(torch.float8_e8m0fnu))
+def random_w2(rows: int, cols: int) -> W2Tensor:
+    """One expert's w1/w3 rows of the benches' random planes (uniform codes, scale bytes 118..123)."""
+    codes, scales = random_planes(1, cols, rows // 2)[:2]
+    return W2Tensor(codes[0], scales[0])
 
 
 def activations(cols: int, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -87,12 +86,8 @@ def activations(cols: int, seed: int = 1) -> dict[str, torch.Tensor]:
     return {"gaussian": z, "channel gains": z * gains, "gains + outliers": z * outliers, "silu(g) * u": silu_u}
 
 
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a - ref).norm() / ref.norm())
-
-
-def table(rows: int, cols: int, bit_counts: list[int], dot: Callable = integer_dot) -> list[dict]:
-    """Relative error of `dot` against the fp64 product, per activation shape and bit count, with x in bf16 (the
+def table(rows: int, cols: int, bit_counts: list[int]) -> list[dict]:
+    """Relative error of `integer_dot` against the fp64 product, per activation shape and bit count, with x in bf16 (the
     kernels' input) and the bf16 output rounding beside it."""
     w = random_w2(rows, cols)
     wf = w.dequantize(torch.float64)
@@ -101,7 +96,7 @@ def table(rows: int, cols: int, bit_counts: list[int], dot: Callable = integer_d
         xb = x.to(torch.bfloat16).double()
         ref = wf @ xb
         row = {"x": name, "bf16 output": rel_err(ref.to(torch.bfloat16).double(), ref)}
-        row.update({bits: rel_err(dot(w, xb, bits), ref) for bits in bit_counts})
+        row.update({bits: rel_err(integer_dot(w, xb, bits), ref) for bits in bit_counts})
         out.append(row)
     return out
 
