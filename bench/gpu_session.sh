@@ -112,9 +112,10 @@ tests)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >>"$log" 2>&1
     # kernels first, the model last; a hang leaves the log so far
     # shellcheck disable=SC2086  # TESTS: a subset of the test files (default: all of the GPU ones); TESTS_K: a
-    # pytest -k expression (it may hold spaces, which TESTS, split on them, cannot)
+    # pytest -k expression (it may hold spaces, which TESTS, split on them, cannot); PYTEST_ARGS: more flags, e.g.
+    # "-n 4" (the image has pytest-xdist)
     step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
-        ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
+        ${PYTEST_ARGS:-} ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
         tests/test_triton_rms_norm.py tests/test_triton_index_scores.py tests/test_triton_fp8_mma.py \
