@@ -663,27 +663,37 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
                 w3c: torch.Tensor, w3s: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor, limit: float | None,
                 out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | None = None) -> None:
     n, hidden = x.shape
+    if xp is None:
+        xp = _pack_x(x, _empty_packed(x))
+    hp = _gate_up_mma(x, xp, ids, rw, w1c, w1s, w3c, w3s, limit, k, cfg)
+    iw, th = hp.shape[2], hp.shape[1]
+    down_split = _pow2_block(cfg.down_split, k * (iw // 16))
+    _down_mma_kernel[(n, hidden // 16)](
+        hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
+        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=not interpreting(),
+        SELECTOR_FMA=cfg.selector_fma,
+        num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
+
+
+def _gate_up_mma(x: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor,
+                 w1s: torch.Tensor, w3c: torch.Tensor, w3s: torch.Tensor, limit: float | None, k: int,
+                 cfg: DecodeConfig) -> torch.Tensor:
+    """Launch the mma gate-up kernel on x packed into xp -> h as bf16 terms in the pair layout (int32 [N k, T_h,
+    I/16, 8]), what the down kernel reads. Apart from `_decode_mma` so that a bench can time it alone."""
+    n, hidden = x.shape
     inter = w1c.shape[1]
     hw, iw = hidden // 16, inter // 16
     tx, th = _TERMS[x.dtype], 3 if x.dtype == torch.float32 else 2
-    pairs = n * k
-    if xp is None:
-        xp = _pack_x(x, _empty_packed(x))
-    hp = torch.empty((pairs, th, iw, 8), dtype=torch.int32, device=x.device)
-    use_asm = not interpreting()
+    hp = torch.empty((n * k, th, iw, 8), dtype=torch.int32, device=x.device)
     has_limit = bool(limit)
     gate_split = _pow2_block(cfg.gate_split, hw // 16)
-    _gate_up_mma_kernel[(pairs, iw)](
+    _gate_up_mma_kernel[(n * k, iw)](
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
+        USE_ASM=not interpreting(), SELECTOR_FMA=cfg.selector_fma,
         num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
-    down_split = _pow2_block(cfg.down_split, k * (iw // 16))
-    _down_mma_kernel[(n, hw)](
-        hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=use_asm, SELECTOR_FMA=cfg.selector_fma,
-        num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
+    return hp
 
 
 def _empty_packed(x: torch.Tensor) -> torch.Tensor:
