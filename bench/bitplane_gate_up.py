@@ -46,13 +46,12 @@ from typing import Sequence
 
 import torch
 
+from bench.bitplane_probe import GROUP, quantize_groups
 from moebox.ops.triton import w2_moe
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, loop_sass, packed_asm_layout,
                                        tl, triton, versions)
-from moebox.quant.w2 import LEVELS
-from moebox.weights.formats import e8m0_to_float
+from moebox.quant.w2 import W2Tensor
 
-GROUP = 32
 BITS = 16
 MIN_EXPONENT = -60   # x groups below 2^-60 quantize to zero: their scale's exponent bits stay positive
 
@@ -72,8 +71,7 @@ def to_bitplanes(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
     words = torch.empty((e, rows // 16, steps, 4, 8, 4), dtype=torch.int32, device=codes.device)
     sb = torch.empty((e, rows // 16, steps, 8, 8), dtype=torch.uint8, device=codes.device)
     for x in range(e):
-        c = codes[x].long()
-        c = torch.stack([(c >> (2 * j)) & 3 for j in range(4)], dim=-1).reshape(rows // 16, 2, 8, steps, 4, GROUP)
+        c = W2Tensor(codes[x], scales[x]).level_codes().reshape(rows // 16, 2, 8, steps, 4, GROUP)
         b0, b1 = _bit_words(c & 1), _bit_words(c >> 1)               # [rb, half, g, step, rho]
         quad = torch.stack([b0[:, 0], b0[:, 1], b1[:, 0], b1[:, 1]], dim=-1)   # [rb, g, step, rho, 4]
         words[x] = quad.permute(0, 2, 3, 1, 4)
@@ -99,12 +97,7 @@ def scales_of_bitplanes(sb: torch.Tensor) -> torch.Tensor:
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, H] -> (int64 q [N, H] in [-2^15, 2^15), int64 e [N, H/32]): x ~ q 2^(e - 15), |x| < 2^e a group."""
-    g = x.double().reshape(x.shape[0], -1, GROUP)
-    _, e = torch.frexp(g.abs().amax(dim=-1))
-    e = e.long().clamp(min=MIN_EXPONENT)
-    top = 1 << (BITS - 1)
-    q = torch.round(g * torch.exp2((BITS - 1 - e).double())[..., None]).clamp(-top, top - 1).long()
-    return q.reshape(x.shape), e
+    return quantize_groups(x, BITS, MIN_EXPONENT)
 
 
 def pack_x_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,12 +126,7 @@ def gate_up_reference(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c:
     k = ids.shape[1]
     out = []
     for p, ex in enumerate(ids.reshape(-1).tolist()):
-        proj = []
-        for c, s in ((w1c, w1s), (w3c, w3s)):
-            cw = c[ex].long()
-            lv = LEVELS.double().to(x.device)[torch.stack([(cw >> (2 * j)) & 3 for j in range(4)], -1).flatten(-2)]
-            proj.append((lv * e8m0_to_float(s[ex]).double().repeat_interleave(GROUP, dim=-1)) @ xs[p // k])
-        gate, up = proj
+        gate, up = (W2Tensor(c[ex], s[ex]).dequantize(torch.float64) @ xs[p // k] for c, s in ((w1c, w1s), (w3c, w3s)))
         if limit:
             gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         out.append(torch.nn.functional.silu(gate) * up * rw.reshape(-1)[p].double())
@@ -202,9 +190,7 @@ if HAVE_TRITON:
         e = tl.load(ids_ptr + p).to(tl.int64)
         # tile row r2 = rho * 8 S + s * 8 + g (rho: the group of the K step, s: the warp, g: the lane group),
         # column 4 t + c (t: the lane in its group, c: the quad slot)
-        r2 = tl.arange(0, 32 * S)[:, None]
-        w = tl.arange(0, 16)[None, :]
-        g, sp, rho = r2 % 8, (r2 // 8) % S, r2 // (8 * S)
+        g, sp, rho, w = w2_moe._tile_coords(S, 4)
         lt, c = w // 4, w % 4
         a_off = e * b_expert_stride + rb.to(tl.int64) * (KS * 128) + rho * 32 + g * 4 + c        # int32 words
         # (the where hides the rows' contiguity, which would give this load its own layout and a conversion)
@@ -273,6 +259,15 @@ def sass_report(split: int = 2) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ bench
+def random_gate_up_planes(experts: int, hidden: int, intermediate: int, device: torch.device, seed: int = 0
+                          ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """w2_moe's random w1/w3 planes ((w1 codes, w1 scales, w3 codes, w3 scales) views of the stacked w13) and
+    their `to_bitplanes` copies ((w1 words, w1 scale bytes, w3 words, w3 scale bytes))."""
+    w13c, w13s = w2_moe.random_planes(experts, hidden, intermediate, device=device, seed=seed)[:2]
+    w1c, w1s, w3c, w3s = w2_moe._split_w13(w13c, w13s)
+    return (w1c, w1s, w3c, w3s), (*to_bitplanes(w1c, w1s), *to_bitplanes(w3c, w3s))
+
+
 def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermediate: int = 2048,
           experts: int = 256, k: int = 6, limit: float = 10.0, splits: Sequence[int] = (1, 2, 4),
           l2_miss_bytes: int = 256 << 20, rep: int = 100) -> list[dict]:
@@ -280,12 +275,9 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
     planes and routings, as CUDA-graph replays of back-to-back calls on different routings (their planes miss L2).
     GB/s counts the distinct experts' w1 + w3 bytes a call reads."""
     device = torch.device("cuda")
-    w13c, w13s = w2_moe.random_planes(experts, hidden, intermediate, device=device)[:2]
-    w1c, w1s, w3c, w3s = w2_moe._split_w13(w13c, w13s)
+    (w1c, w1s, w3c, w3s), (w1b, w1sb, w3b, w3sb) = random_gate_up_planes(experts, hidden, intermediate, device)
     w1c32, w3c32 = w1c.view(torch.int32), w3c.view(torch.int32)
     w1u, w3u = w2_moe._u8(w1s), w2_moe._u8(w3s)
-    (w1b, w1sb), (w3b, w3sb) = to_bitplanes(w1c, w1s), to_bitplanes(w3c, w3s)
-    del w13c
     per_expert = 2 * w2_moe.expert_bytes(hidden, intermediate) // 3
     print(f"gate-up alone, H {hidden} I {intermediate} E {experts} k {k}, bf16 x\n"
           f"{'kernel':18s} {'N':>3s} {'us':>8s} {'GB/s':>7s} {'vs mma':>7s}", flush=True)
@@ -319,9 +311,7 @@ def check(hidden: int = 512, intermediate: int = 256, experts: int = 8, k: int =
     """The kernel against `gate_up_reference` on random planes (CUDA): relative errors against the quantized-x
     reference (only fp32 sums differ) and the exact-x one, and whether every output is finite."""
     device = torch.device("cuda")
-    w13c, w13s = w2_moe.random_planes(experts, hidden, intermediate, device=device, seed=3)[:2]
-    w1c, w1s, w3c, w3s = w2_moe._split_w13(w13c, w13s)
-    (w1b, w1sb), (w3b, w3sb) = to_bitplanes(w1c, w1s), to_bitplanes(w3c, w3s)
+    (w1c, w1s, w3c, w3s), (w1b, w1sb, w3b, w3sb) = random_gate_up_planes(experts, hidden, intermediate, device, 3)
     ids, rw = w2_moe.random_routing(tokens, experts, k, device=device, seed=5)
     x = torch.randn((tokens, hidden), device=device).to(torch.bfloat16).float()
     got = bitplane_gate_up(*pack_x_planes(x), ids, rw, w1b, w1sb, w3b, w3sb, limit).double()

@@ -29,14 +29,17 @@ from moebox.weights.formats import e8m0_to_float
 GROUP = 32
 
 
-def quantize_groups(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [cols] -> (int64 [cols] two's-complement values in [-2^(bits-1), 2^(bits-1)), the int64 [cols / 32]
-    exponent of each group): x ~ q * 2^(e - bits + 1) with e the group's largest exponent (|x| < 2^e)."""
-    g = x.double().reshape(-1, GROUP)
-    _, e = torch.frexp(g.abs().amax(dim=1))
+def quantize_groups(x: torch.Tensor, bits: int, min_exponent: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., cols] -> (int64 [..., cols] two's-complement values in [-2^(bits-1), 2^(bits-1)), the int64
+    [..., cols / 32] exponent of each group): x ~ q * 2^(e - bits + 1) with e the group's largest exponent
+    (|x| < 2^e), raised to `min_exponent` where given (smaller groups then round towards zero)."""
+    g = x.double().reshape(*x.shape[:-1], -1, GROUP)
+    _, e = torch.frexp(g.abs().amax(dim=-1))
+    e = e.long() if min_exponent is None else e.long().clamp(min=min_exponent)
     top = 1 << (bits - 1)
-    q = torch.round(g * torch.exp2((bits - 1 - e).double())[:, None]).clamp(-top, top - 1).long()
-    return q.flatten(), e.long()
+    q = torch.round(g * torch.exp2((bits - 1 - e).double())[..., None]).clamp(-top, top - 1).long()
+    return q.reshape(x.shape), e
 
 
 def _group_scales(w: W2Tensor, e: torch.Tensor, bits: int) -> torch.Tensor:

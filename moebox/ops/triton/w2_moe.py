@@ -467,10 +467,10 @@ if HAVE_TRITON:
             r = r - (bits << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _tile_coords(S: tl.constexpr):
-        """Row decomposition of the [16S, 16] word tile: tile row r2 = rho * 8S + s * 8 + g, where g is the
-        lane group (the mma fragment row), s the warp (its share of K) and rho the rep (rows g / g + 8)."""
-        r2 = tl.arange(0, 16 * S)[:, None]
+    def _tile_coords(S: tl.constexpr, REPS: tl.constexpr):
+        """Row decomposition of the [8 S REPS, 16] word tile: tile row r2 = rho * 8S + s * 8 + g, where g is the
+        lane group (the mma fragment row), s the warp (its share of K) and rho the rep (here: rows g / g + 8)."""
+        r2 = tl.arange(0, 8 * S * REPS)[:, None]
         w = tl.arange(0, 16)[None, :]
         return r2 % 8, (r2 // 8) % S, r2 // (8 * S), w
 
@@ -515,7 +515,7 @@ if HAVE_TRITON:
         rw = tl.program_id(1)                       # 16 rows of I: one word of h
         t = p // K
         e = tl.load(ids_ptr + p).to(tl.int64)
-        g, sp, rho, w = _tile_coords(S)
+        g, sp, rho, w = _tile_coords(S, 2)
         r = 8 * rho + g
         row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
         c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
@@ -579,7 +579,7 @@ if HAVE_TRITON:
                          PDL: tl.constexpr):
         t = tl.program_id(0)
         rb = tl.program_id(1)
-        g, sp, rho, w = _tile_coords(S)
+        g, sp, rho, w = _tile_coords(S, 2)
         row = 16 * rb + 8 * rho + g
         TILES: tl.constexpr = IW // 16
         c_row = row.to(tl.int64) * IW + w
