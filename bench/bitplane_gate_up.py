@@ -9,17 +9,19 @@ planes 8..15. x enters as 16-bit two's-complement integers q with one exponent p
 measured that 16 bits keep x's error below the bf16 output's). Only this gate-up is built: the store relayout and
 the other readers follow only if it gains enough (>= 1.25x at 8 tokens).
 
-Layouts (this module's own; `to_bitplanes`, `pack_x_planes`), chosen so that each mma operand is one 16-byte
-load a lane (ptxas then feeds the BMMA from the load's registers, no moves):
+Layouts (this module's own; `to_bitplanes`, `pair_scale_words`, `pack_x_planes`), chosen so that each mma operand
+is one 16-byte load a lane (ptxas then feeds the BMMA from the load's registers, no moves) and every load's
+address runs along the tile's columns:
 - weights int32 [E, I/16, H/128, 4 groups, 8 g, 4]: per 16-row block and group the quad (b0 of row g, b0 of row
   g + 8, b1 of row g, b1 of row g + 8), which is the A fragment (chunk t, chunk t + 4) of lanes t < 3; lane 3
   takes b1 for chunk 3 too (a SEL), so a row holds b0 in 3 chunks and b1 in 5. Bit k of a word is column k of the
   group. Same bytes as the w2 codes. Scale bytes uint8 [E, I/16, H/128, 8 g, 8]: byte 2 rho + half of word
-  rho // 2 is row g + 8 half's scale for group rho.
+  rho // 2 is row g + 8 half's scale for group rho; the kernel reads w1's and w3's paired as int32 [E, I/16,
+  H/128, 8 g, 4] (w1 word 0, w1 word 1, w3 word 0, w3 word 1).
 - x: planes int32 [N, H/128, 4, 8 g, 4] (plane g twice, plane g + 8 twice: the B registers of the low and high
-  mma), corrections int32 [N, H/128, 4, 8] ([-4 sum(q), 0, -4 sum(q), 0, 0, 0, 0, 0]: lanes t = 0 read the first
-  quad as the low mma's accumulator input, so it is added once a row, the others the zeros), exponent bits int32
-  [N, H/128, 4] ((e - 15) << 23).
+  mma), corrections int32 [N, H/128, 4, 8] ([-4 sum(q), x, -4 sum(q), x, 0, x, 0, x] with x the exponent bits
+  (e - 15) << 23: lanes t = 0 read the first quad, whose slots 0, 2 are the low mma's accumulator input for
+  column 0, so the correction is added once a row; the others read the zeros).
 
 The kernel: grid (N k pairs, I/16), S warps a program splitting the H/128 K steps (as `_gate_up_mma_kernel`),
 the next step's weight quads and scale words loaded before this step's math. Per group and matrix: 2 BMMA (x
@@ -29,11 +31,13 @@ after the K loop. Then I2F and one FFMA into an fp32 slot with the row's E8M0 sc
 as integer bits s * 2^23 + ((e - 15) << 23) with a PRMT and an IMAD. All integers stay below 2^23 (the planes'
 part <= 256 * 771, the correction <= 4 * 32 * 2^15), so the I2F is exact.
 
-Its sm_90 build (`--sass`, Triton 3.9 on the CPU, split 2): 128 registers, no spills, 1.69 SASS instructions a
-weight in the loop against the mma gate-up's 1.66-1.70; of a loop iteration's 216, 144 are the math above (16
-BMMA, 16 SEL, 16 PRMT, 48 fold IMAD/LEA, 16 I2FP, 16 scale IMAD, 16 FFMA) and 72 the 24 loads, their addresses and
-register moves. The mix is lighter on the integer ALU pipe (~93 against ~140 of 216) but the loads' overhead eats
-most of the gain on paper; only a GPU timing says which pipe binds.
+Triton 3.6 (the GPU image's) gives a load whose address does not run along the columns (an operand that is the
+same in a lane's 4 slots, as the scale word and exponent bits were) a column-major layout, and the asm took it:
+a wrong lane map (the forty-fifth session's first H100 run: relative error 31, 196 registers). Hence the paired
+scale words (one 16-byte load for both matrices; the asm picks word m of its pack with a SELP that ptxas folds)
+and the exponent bits inside the correction quads. Its sm_90 build (`--sass`, split 2; Triton 3.6 and 3.9 on the
+CPU): 96-100 registers, no spills, 1.77 SASS instructions a weight in the loop against the mma gate-up's
+1.66-1.70 (16 BMMA, 16 SEL, 16 PRMT, 16 I2FP, 16 FFMA and ~90 IMAD/LEA an iteration of 227, 17 loads).
 
     python -m bench.bitplane_gate_up                 # CUDA: the timing table, N = 1 2 4 8 16
     python -m bench.bitplane_gate_up --sass          # any machine: the sm_90 build's loop instructions
@@ -95,14 +99,20 @@ def scales_of_bitplanes(sb: torch.Tensor) -> torch.Tensor:
     return sb.reshape(e, rb, steps, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(e, rb * 16, steps * 4)
 
 
+def pair_scale_words(sb1: torch.Tensor, sb3: torch.Tensor) -> torch.Tensor:
+    """w1's and w3's `to_bitplanes` scale bytes -> int32 [E, rows/16, cols/128, 8 g, 4]: (w1 word 0, w1 word 1, w3
+    word 0, w3 word 1), so that a lane's scales of a K step are one 16-byte load."""
+    return torch.cat([sb1.view(torch.int32), sb3.view(torch.int32)], dim=-1)
+
+
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, H] -> (int64 q [N, H] in [-2^15, 2^15), int64 e [N, H/32]): x ~ q 2^(e - 15), |x| < 2^e a group."""
     return quantize_groups(x, BITS, MIN_EXPONENT)
 
 
-def pack_x_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, H] -> (planes int32 [N, H/128, 4, 8, 4], corrections int32 [N, H/128, 4, 8], exponent bits int32
-    [N, H/128, 4]), the module doc's layout."""
+def pack_x_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H] -> (planes int32 [N, H/128, 4, 8, 4], corrections and exponent bits int32 [N, H/128, 4, 8]), the
+    module doc's layout."""
     n, hidden = x.shape
     q, e = quantize_x(x)
     steps = hidden // 128
@@ -110,10 +120,10 @@ def pack_x_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     planes = _bit_words((u >> torch.arange(BITS, device=x.device)[:, None]) & 1)     # [N, step, rho, 16]
     lo, hi = planes[..., :8], planes[..., 8:]
     xq = torch.stack([lo, lo, hi, hi], dim=-1)                                        # [N, step, rho, g, 4]
-    corr = torch.zeros((n, steps, 4, 8), dtype=torch.int32, device=x.device)
-    corr[..., 0] = corr[..., 2] = (-4 * q.reshape(n, steps, 4, GROUP).sum(-1)).to(torch.int32)
-    xe = ((e.reshape(n, steps, 4) - (BITS - 1)) << 23).to(torch.int32)
-    return xq, corr, xe
+    cq = torch.zeros((n, steps, 4, 8), dtype=torch.int32, device=x.device)
+    cq[..., 0] = cq[..., 2] = (-4 * q.reshape(n, steps, 4, GROUP).sum(-1)).to(torch.int32)
+    cq[..., 1::2] = ((e.reshape(n, steps, 4, 1) - (BITS - 1)) << 23).to(torch.int32)
+    return xq, cq
 
 
 def gate_up_reference(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
@@ -134,53 +144,57 @@ def gate_up_reference(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c:
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-def bitplane_asm() -> str:
-    """PTX for one pack of 8 elements (rep rho = group 2 u + rho of K step u, quad slot c: element 4 rho + c) of
-    the [16 S, 16] tile. Operands: $0.. acc out (slot c = 0 / 1: row g / g + 8; 2, 3 passed through), $8.. A quads
-    (b0 g, b0 g+8, b1 g, b1 g+8), $16.. x quads (plane g twice, plane g + 8 twice), $24.. accumulator quads of the
-    low mma (the correction in lanes t = 0), $32 the lane's scale word (byte 2 rho + half), $40 / $44 the exponent
-    bits of group rho, $48 the sign factor f, $56.. acc in. Lane 3 (f < 0) takes b1 for chunk 3."""
-    a, xw, cq, sw, ex, f, acc = 8, 16, 24, 32, 40, 48, 56
+def bitplane_asm(matrix: int) -> str:
+    """PTX for one pack of 8 elements (rep rho = group 2 m + rho of the K step, quad slot c: element 4 rho + c) of
+    the [32 S, 16] tile, for w1 (`matrix` 0) or w3 (1). Operands: $0.. acc out (slot c = 0 / 1: row g / g + 8; 2, 3
+    passed through), $8.. A quads (b0 g, b0 g+8, b1 g, b1 g+8), $16.. x quads (plane g twice, plane g + 8 twice),
+    $24.. x's correction quads (correction or 0 in slots 0, 2: the low mma's accumulator input for columns 2t;
+    group rho's exponent bits in slots 1, 3), $32..$35 the lane's scale words (`pair_scale_words`; byte 2 rho +
+    half of word 2 matrix + m), $40 m, $48 the sign factor f, $56.. acc in. Lane 3 (f < 0) takes b1 for chunk 3."""
+    a, xw, cq, sw, m, f, acc = 8, 16, 24, 32 + 2 * matrix, 40, 48, 56
     mma = "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc"
-    asm = ["{", ".reg .b32 q<2>, l<4>, h<4>, v, z, sb, by;", ".reg .f32 fv, fs, fa;", ".reg .pred p3;",
-           "mov.b32 z, 0;", f"setp.lt.s32 p3, ${f}, 0;"]
+    asm = ["{", ".reg .b32 q<2>, l<4>, h<4>, v, z, sw, sb, by;", ".reg .f32 fv, fs, fa;", ".reg .pred p3, pm;",
+           "mov.b32 z, 0;", f"setp.lt.s32 p3, ${f}, 0;", f"setp.ne.s32 pm, ${m}, 0;",
+           f"selp.b32 sw, ${sw + 1}, ${sw}, pm;"]
     for rho in range(2):
         A = [f"${a + 4 * rho + c}" for c in range(4)]
         X = [f"${xw + 4 * rho + c}" for c in range(4)]
-        C = ", ".join(f"${cq + 4 * rho + c}" for c in range(4))
+        C = f"${cq + 4 * rho}, z, ${cq + 4 * rho + 2}, z"
         asm += [f"mov.b32 q0, {A[0]};", f"mov.b32 q1, {A[1]};", f"@p3 mov.b32 q0, {A[2]};", f"@p3 mov.b32 q1, {A[3]};",
                 f"{mma} {{l0, l1, l2, l3}}, {{q0, q1, {A[2]}, {A[3]}}}, {{{X[0]}, {X[1]}}}, {{{C}}};",
                 f"{mma} {{h0, h1, h2, h3}}, {{q0, q1, {A[2]}, {A[3]}}}, {{{X[2]}, {X[3]}}}, {{z, z, z, z}};"]
         for r in range(2):   # D slots 2r, 2r + 1: row g + 8 r, columns 2t, 2t + 1
             asm += [f"mad.lo.s32 v, l{2 * r + 1}, 2, l{2 * r};", f"mad.lo.s32 v, h{2 * r}, 256, v;",
                     f"mad.lo.s32 v, h{2 * r + 1}, ${f}, v;", "cvt.rn.f32.s32 fv, v;",
-                    f"prmt.b32 by, ${sw}, 0, {0x4440 + 2 * rho + r};",
-                    f"mad.lo.u32 sb, by, 8388608, ${ex + 4 * rho};", "mov.b32 fs, sb;",
+                    f"prmt.b32 by, sw, 0, {0x4440 + 2 * rho + r};",
+                    f"mad.lo.u32 sb, by, 8388608, ${cq + 4 * rho + 1};", "mov.b32 fs, sb;",
                     f"mov.b32 fa, ${acc + 4 * rho + r};", "fma.rn.f32 fa, fv, fs, fa;", f"mov.b32 ${4 * rho + r}, fa;"]
         asm += [f"mov.b32 ${4 * rho + c}, ${acc + 4 * rho + c};" for c in (2, 3)]
     return "\n".join(asm + ["}"])
 
 
 if HAVE_TRITON:
-    _BITPLANE_ASM = tl.constexpr(bitplane_asm())
+    _W1_ASM = tl.constexpr(bitplane_asm(0))
+    _W3_ASM = tl.constexpr(bitplane_asm(1))
     _CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 56))
 
     @triton.jit
-    def _bitplane_dot(aq, xq, cq, sw, xe, f, acc):
-        out = tl.inline_asm_elementwise(_BITPLANE_ASM, _CONSTRAINTS,
-                                        [aq, xq, cq, sw, xe, f, acc.to(tl.int32, bitcast=True)],
-                                        dtype=tl.int32, is_pure=True, pack=8)
+    def _bitplane_dot(aq, xq, cq, sw, m, f, acc, MATRIX: tl.constexpr):
+        args = [aq, xq, cq, sw, m, f, acc.to(tl.int32, bitcast=True)]
+        if MATRIX == 0:
+            out = tl.inline_asm_elementwise(_W1_ASM, _CONSTRAINTS, args, dtype=tl.int32, is_pure=True, pack=8)
+        else:
+            out = tl.inline_asm_elementwise(_W3_ASM, _CONSTRAINTS, args, dtype=tl.int32, is_pure=True, pack=8)
         return out.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _bitplane_tiles(w1b_ptr, w1s_ptr, w3b_ptr, w3s_ptr, a_off, s_off, u, LAST: tl.constexpr):
-        """The A quads and scale words of K step u (clamped to the last) for w1 and w3."""
+    def _bitplane_tiles(w1b_ptr, w3b_ptr, ws_ptr, a_off, s_off, u, LAST: tl.constexpr):
+        """The A quads of w1 and w3 and their scale words for K step u (clamped to the last)."""
         u = tl.minimum(u, LAST)
-        return (tl.load(w1b_ptr + a_off + u * 128), tl.load(w1s_ptr + s_off + u * 16),
-                tl.load(w3b_ptr + a_off + u * 128), tl.load(w3s_ptr + s_off + u * 16), u)
+        return tl.load(w1b_ptr + a_off + u * 128), tl.load(w3b_ptr + a_off + u * 128), tl.load(ws_ptr + s_off + u * 32), u
 
     @triton.jit
-    def _bitplane_gate_up_kernel(xq_ptr, cq_ptr, xe_ptr, ids_ptr, rw_ptr, w1b_ptr, w1s_ptr, w3b_ptr, w3s_ptr, h_ptr,
+    def _bitplane_gate_up_kernel(xq_ptr, cq_ptr, ids_ptr, rw_ptr, w1b_ptr, w3b_ptr, ws_ptr, h_ptr,
                                  b_expert_stride, s_expert_stride, limit,
                                  I: tl.constexpr, KS: tl.constexpr, K: tl.constexpr, HAS_LIMIT: tl.constexpr,
                                  S: tl.constexpr):
@@ -193,51 +207,54 @@ if HAVE_TRITON:
         g, sp, rho, w = w2_moe._tile_coords(S, 4)
         lt, c = w // 4, w % 4
         a_off = e * b_expert_stride + rb.to(tl.int64) * (KS * 128) + rho * 32 + g * 4 + c        # int32 words
-        # (the where hides the rows' contiguity, which would give this load its own layout and a conversion)
-        s_off = e * s_expert_stride + rb.to(tl.int64) * (KS * 16) + tl.where(w < 0, 0, 2 * g + rho // 2)
+        # every load's address runs along the columns (the 4 slots c): an operand whose address does not made
+        # Triton 3.6 give it, and then the asm, a column-major layout, which breaks the asm's lane map
+        s_off = e * s_expert_stride + rb.to(tl.int64) * (KS * 32) + g * 4 + c
         x_off = tok.to(tl.int64) * (KS * 128) + rho * 32 + g * 4 + c
         c_off = tok.to(tl.int64) * (KS * 32) + rho * 8 + 4 * (lt != 0) + c
-        e_off = tok.to(tl.int64) * (KS * 4) + rho + 0 * w
+        m = rho // 2 + 0 * w                        # the pack's pair of groups: which scale word
         f = tl.where(lt == 3, -512, 512) + 0 * g
         LAST: tl.constexpr = KS - 1
         acc_g = tl.zeros((32 * S, 16), dtype=tl.float32)
         acc_u = tl.zeros((32 * S, 16), dtype=tl.float32)
-        a1, s1, a3, s3, u = _bitplane_tiles(w1b_ptr, w1s_ptr, w3b_ptr, w3s_ptr, a_off, s_off, sp, LAST)
+        a1, a3, sw, u = _bitplane_tiles(w1b_ptr, w3b_ptr, ws_ptr, a_off, s_off, sp, LAST)
         for u0 in tl.range(0, KS, S):
-            n1, t1, n3, t3, nu = _bitplane_tiles(w1b_ptr, w1s_ptr, w3b_ptr, w3s_ptr, a_off, s_off, u0 + S + sp, LAST)
+            n1, n3, nw, nu = _bitplane_tiles(w1b_ptr, w3b_ptr, ws_ptr, a_off, s_off, u0 + S + sp, LAST)
             xq = tl.load(xq_ptr + x_off + u * 128)
             cq = tl.load(cq_ptr + c_off + u * 32)
-            xe = tl.load(xe_ptr + e_off + u * 4)
-            acc_g = _bitplane_dot(a1, xq, cq, s1, xe, f, acc_g)
-            acc_u = _bitplane_dot(a3, xq, cq, s3, xe, f, acc_u)
-            a1, s1, a3, s3, u = n1, t1, n3, t3, nu
-        # slot c < 2 of lane t holds row g + 8 c's share of planes 2t, 2t + 1, 8 + 2t, 9 + 2t: weight 4^t
-        lane_factor = tl.where(c < 2, (1 << (2 * lt)).to(tl.float32), 0.0)
-        gate = tl.sum(tl.sum(tl.reshape(acc_g * lane_factor, (4 * S, 8, 4, 4)), axis=0), axis=1)   # [g, c]
-        up = tl.sum(tl.sum(tl.reshape(acc_u * lane_factor, (4 * S, 8, 4, 4)), axis=0), axis=1)
-        if HAS_LIMIT:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up * tl.load(rw_ptr + p).to(tl.float32)
-        gi, ci = tl.arange(0, 8)[:, None], tl.arange(0, 4)[None, :]
-        tl.store(h_ptr + p.to(tl.int64) * I + 16 * rb + gi + 8 * ci, h, mask=ci < 2)
+            acc_g = _bitplane_dot(a1, xq, cq, sw, m, f, acc_g, 0)
+            acc_u = _bitplane_dot(a3, xq, cq, sw, m, f, acc_u, 1)
+            a1, a3, sw, u = n1, n3, nw, nu
+        # slot c < 2 of lane t holds row g + 8 c's share of planes 2t, 2t + 1, 8 + 2t, 9 + 2t: weight 4^t. Rows
+        # are summed before any reshape (as w2_moe's `_reduce_tile`): a reshape of the 2-D tile made Triton 3.6
+        # give the whole loop another layout, which breaks the asm's lane map
+        lane_factor = (1 << (2 * lt)).to(tl.float32)
+        rw = tl.load(rw_ptr + p).to(tl.float32)
+        for half in tl.static_range(2):
+            gate = tl.sum(tl.reshape(tl.sum(tl.where(c == half, acc_g * lane_factor, 0.0), axis=1), (4 * S, 8)), axis=0)
+            up = tl.sum(tl.reshape(tl.sum(tl.where(c == half, acc_u * lane_factor, 0.0), axis=1), (4 * S, 8)), axis=0)
+            if HAS_LIMIT:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = gate / (1.0 + tl.exp(-gate)) * up * rw
+            tl.store(h_ptr + p.to(tl.int64) * I + 16 * rb + 8 * half + tl.arange(0, 8), h)
 
 
-def bitplane_gate_up(xq: torch.Tensor, cq: torch.Tensor, xe: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor,
-                     w1b: torch.Tensor, w1s: torch.Tensor, w3b: torch.Tensor, w3s: torch.Tensor, limit: float | None,
-                     split: int = 2) -> torch.Tensor:
-    """h fp32 [N k, I] from x's planes (`pack_x_planes`) and the weights' bit planes and scale bytes
-    (`to_bitplanes`); ids int [N, k], rw fp32 [N, k]. CUDA only (the asm does not run in Triton's interpreter)."""
+def bitplane_gate_up(xq: torch.Tensor, cq: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1b: torch.Tensor,
+                     w3b: torch.Tensor, ws: torch.Tensor, limit: float | None, split: int = 2) -> torch.Tensor:
+    """h fp32 [N k, I] from x's planes (`pack_x_planes`), the weights' bit planes (`to_bitplanes`) and their scale
+    words (`pair_scale_words`); ids int [N, k], rw fp32 [N, k]. CUDA only (the asm does not run in Triton's
+    interpreter)."""
     n, steps = xq.shape[:2]
     k = ids.shape[1]
     inter = 16 * w1b.shape[1]
-    if w1b.stride() != w3b.stride() or w1s.stride() != w3s.stride() or steps % split:
+    if w1b.stride() != w3b.stride() or steps % split:
         raise ValueError("w1 and w3 must share strides; H/128 a multiple of the split")
     h = torch.empty((n * k, inter), dtype=torch.float32, device=xq.device)
     has_limit = bool(limit)
     _bitplane_gate_up_kernel[(n * k, inter // 16)](
-        xq, cq, xe, ids.reshape(-1).contiguous(), rw.reshape(-1).float().contiguous(), w1b, w1s.view(torch.int32),
-        w3b, w3s.view(torch.int32), h, w1b.stride(0), w1s.stride(0) // 4, float(limit) if has_limit else 0.0,
+        xq, cq, ids.reshape(-1).contiguous(), rw.reshape(-1).float().contiguous(), w1b, w3b, ws, h, w1b.stride(0),
+        ws.stride(0), float(limit) if has_limit else 0.0,
         I=inter, KS=steps, K=k, HAS_LIMIT=has_limit, S=split, num_warps=split, num_stages=1)
     return h
 
@@ -247,7 +264,7 @@ def sass_report(split: int = 2) -> dict:
     and the loop's SASS (op counts; instructions per weight as w2_moe's `sass_report` counts them: a loop
     iteration is 2 matrices x 16 rows x 128 columns a warp, 128 weights a lane)."""
     fn = _bitplane_gate_up_kernel
-    types = ("*i32", "*i32", "*i32", "*i64", "*fp32", "*i32", "*i32", "*i32", "*i32", "*fp32", "i32", "i32", "fp32")
+    types = ("*i32", "*i32", "*i64", "*fp32", "*i32", "*i32", "*i32", "*fp32", "i32", "i32", "fp32")
     sig = dict(zip(fn.arg_names, types))
     compiled = build_sm90(fn, sig, dict(I=2048, KS=32, K=6, HAS_LIMIT=True, S=split),
                           [a for a, ty in sig.items() if ty != "fp32"], num_warps=split, num_stages=1)
@@ -262,10 +279,11 @@ def sass_report(split: int = 2) -> dict:
 def random_gate_up_planes(experts: int, hidden: int, intermediate: int, device: torch.device, seed: int = 0
                           ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """w2_moe's random w1/w3 planes ((w1 codes, w1 scales, w3 codes, w3 scales) views of the stacked w13) and
-    their `to_bitplanes` copies ((w1 words, w1 scale bytes, w3 words, w3 scale bytes))."""
+    their bit-plane copies ((w1 words, w3 words, scale words))."""
     w13c, w13s = w2_moe.random_planes(experts, hidden, intermediate, device=device, seed=seed)[:2]
     w1c, w1s, w3c, w3s = w2_moe._split_w13(w13c, w13s)
-    return (w1c, w1s, w3c, w3s), (*to_bitplanes(w1c, w1s), *to_bitplanes(w3c, w3s))
+    (w1b, sb1), (w3b, sb3) = to_bitplanes(w1c, w1s), to_bitplanes(w3c, w3s)
+    return (w1c, w1s, w3c, w3s), (w1b, w3b, pair_scale_words(sb1, sb3))
 
 
 def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermediate: int = 2048,
@@ -275,7 +293,7 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
     planes and routings, as CUDA-graph replays of back-to-back calls on different routings (their planes miss L2).
     GB/s counts the distinct experts' w1 + w3 bytes a call reads."""
     device = torch.device("cuda")
-    (w1c, w1s, w3c, w3s), (w1b, w1sb, w3b, w3sb) = random_gate_up_planes(experts, hidden, intermediate, device)
+    (w1c, w1s, w3c, w3s), (w1b, w3b, ws) = random_gate_up_planes(experts, hidden, intermediate, device)
     w1c32, w3c32 = w1c.view(torch.int32), w3c.view(torch.int32)
     w1u, w3u = w2_moe._u8(w1s), w2_moe._u8(w3s)
     per_expert = 2 * w2_moe.expert_bytes(hidden, intermediate) // 3
@@ -288,14 +306,14 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
         nbytes = sum(int(torch.unique(ids).numel()) for ids, _ in routes) * per_expert / calls
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
-        xq, cq, xe = pack_x_planes(x)
+        xq, cq = pack_x_planes(x)
         cfg = w2_moe.default_config(n)
         flat = [(ids.reshape(-1).contiguous(), w.reshape(-1).float().contiguous(), ids, w) for ids, w in routes]
         variants = [("mma " + f"g{cfg.gate_split}", [lambda f=f: w2_moe._gate_up_mma(x, xp, f[0], f[1], w1c32, w1u,
                                                                                      w3c32, w3u, limit, k, cfg)
                                                      for f in flat])]
-        variants += [(f"bitplane s{s}", [lambda f=f, s=s: bitplane_gate_up(xq, cq, xe, f[2], f[3], w1b, w1sb, w3b,
-                                                                           w3sb, limit, s) for f in flat])
+        variants += [(f"bitplane s{s}", [lambda f=f, s=s: bitplane_gate_up(xq, cq, f[2], f[3], w1b, w3b, ws, limit,
+                                                                           s) for f in flat])
                      for s in splits]
         base = None
         for name, fns in variants:
@@ -311,10 +329,10 @@ def check(hidden: int = 512, intermediate: int = 256, experts: int = 8, k: int =
     """The kernel against `gate_up_reference` on random planes (CUDA): relative errors against the quantized-x
     reference (only fp32 sums differ) and the exact-x one, and whether every output is finite."""
     device = torch.device("cuda")
-    (w1c, w1s, w3c, w3s), (w1b, w1sb, w3b, w3sb) = random_gate_up_planes(experts, hidden, intermediate, device, 3)
+    (w1c, w1s, w3c, w3s), (w1b, w3b, ws) = random_gate_up_planes(experts, hidden, intermediate, device, 3)
     ids, rw = w2_moe.random_routing(tokens, experts, k, device=device, seed=5)
     x = torch.randn((tokens, hidden), device=device).to(torch.bfloat16).float()
-    got = bitplane_gate_up(*pack_x_planes(x), ids, rw, w1b, w1sb, w3b, w3sb, limit).double()
+    got = bitplane_gate_up(*pack_x_planes(x), ids, rw, w1b, w3b, ws, limit).double()
     out = {"finite": bool(torch.isfinite(got).all())}
     for quantized in (True, False):
         ref = gate_up_reference(x, ids, rw, w1c, w1s, w3c, w3s, limit, quantized)

@@ -1,7 +1,8 @@
 """A one-warp emulator of the few PTX instructions the kernels' inline asm uses (moebox/ops/triton/w2_moe.py,
-fp8_mma.py): the tests run the asm text itself on the CPU, with mma.sync.m16n8k16's fragments laid out as
-the PTX ISA defines them (lane = 4 * groupID + threadID_in_group) and conversions done by numpy/torch, so a
-wrong register, fragment slot or byte order in the asm fails a test without a GPU."""
+fp8_mma.py, bench/bitplane_gate_up.py): the tests run the asm text itself on the CPU, with mma.sync.m16n8k16's
+and m16n8k256 b1's fragments laid out as the PTX ISA defines them (lane = 4 * groupID + threadID_in_group) and
+conversions done by numpy/torch, so a wrong register, fragment slot or byte order in the asm fails a test without
+a GPU."""
 
 from __future__ import annotations
 
@@ -26,24 +27,50 @@ def _pair(v: int, kind: str) -> tuple[float, float]:
     return tuple(float(h) for h in np.array([v & 0xFFFF, v >> 16], dtype=np.uint16).view(np.float16))
 
 
+def _signed(v: int) -> int:
+    return v - (1 << 32) if v >> 31 else v
+
+
+def _c_slots(g: int, t: int) -> tuple[tuple[int, int], ...]:
+    """(row, column) of the accumulator's four registers in lane 4 g + t (both mma shapes)."""
+    return (g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)
+
+
+def _bmma(d: list[str], a: list[str], b: list[str], c: list[str], regs: list[dict]) -> None:
+    """m16n8k256 b1 and.popc: D = C + popc(A row & B column), K as 8 chunks of 32 bits. Lane (g, t) holds A chunk t
+    of rows g, g + 8 in a0, a1 and chunk t + 4 in a2, a3, B chunks t and t + 4 of column g in b0, b1 (the bits of
+    a chunk in the same order in A and B, so AND-popc pairs the chunks' words whole)."""
+    A, B = np.zeros((16, 8), dtype=np.int64), np.zeros((8, 8), dtype=np.int64)
+    for lane, r in enumerate(regs):
+        g, t = lane >> 2, lane & 3
+        for q, (row, chunk) in enumerate(((g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4))):
+            A[row, chunk] = r[a[q]]
+        B[g, t], B[g, t + 4] = r[b[0]], r[b[1]]
+    for lane, r in enumerate(regs):
+        for q, (row, col) in enumerate(_c_slots(lane >> 2, lane & 3)):
+            popc = sum(bin(int(A[row, j]) & int(B[col, j])).count("1") for j in range(8))
+            r[d[q]] = (_signed(r[c[q]]) + popc) & _M32
+
+
 def _mma(op: str, rest: str, regs: list[dict]) -> None:
-    kind = {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32": "bf16",
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": "f16"}[op]
     groups = [grp.replace("{", "").split(",") for grp in rest.split("}")[:4]]
     d, a, b, c = ([x.strip(", ") for x in grp if x.strip(", ")] for grp in groups)
+    if op == "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc":
+        return _bmma(d, a, b, c, regs)
+    kind = {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32": "bf16",
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": "f16"}[op]
     A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-    c_slots = lambda g, t: ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))   # noqa: E731
     for lane, r in enumerate(regs):
         g, t = lane >> 2, lane & 3
         for q, (row, k0) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
             A[row, k0:k0 + 2] = _pair(r[a[q]], kind)
         for q, k0 in enumerate((2 * t, 2 * t + 8)):
             B[k0:k0 + 2, g] = _pair(r[b[q]], kind)
-        for q, (row, col) in enumerate(c_slots(g, t)):
+        for q, (row, col) in enumerate(_c_slots(g, t)):
             C[row, col] = f32(r[c[q]])
     D = (A @ B + C).astype(np.float32)
     for lane, r in enumerate(regs):
-        for q, (row, col) in enumerate(c_slots(lane >> 2, lane & 3)):
+        for q, (row, col) in enumerate(_c_slots(lane >> 2, lane & 3)):
             r[d[q]] = f32_bits(D[row, col])
 
 
@@ -56,8 +83,18 @@ def _scalar(op: str, v: list[int]) -> int:
         return v[0] << v[1]
     if op == "and.b32":
         return v[0] & v[1]
-    if op in ("mul.lo.u32", "mad.lo.u32"):
+    if op in ("mul.lo.u32", "mad.lo.u32", "mad.lo.s32"):   # the low 32 bits: the same for signed operands
         return v[0] * v[1] + (v[2] if len(v) > 2 else 0)
+    if op == "setp.lt.s32":
+        return int(_signed(v[0]) < _signed(v[1]))
+    if op == "setp.ne.s32":
+        return int(v[0] != v[1])
+    if op == "selp.b32":
+        return v[0] if v[2] else v[1]
+    if op == "cvt.rn.f32.s32":
+        return f32_bits(float(_signed(v[0])))
+    if op == "fma.rn.f32":   # one rounding of the float64 result: exact where the product and sum fit 53 bits
+        return f32_bits(f32(v[0]) * f32(v[1]) + f32(v[2]))
     if op == "lop3.b32":
         assert v[3] == 0xEA
         return (v[0] & v[1]) | v[2]
@@ -89,11 +126,16 @@ def run_warp(asm: str, inputs: list[list[int]], first_in: int, outputs: int) -> 
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        pred = None
+        if op.startswith("@"):   # a predicated instruction runs in the lanes whose predicate register is set
+            pred, (op, rest) = op[1:], rest.split(None, 1)
         if op.startswith("mma.sync"):
             _mma(op, rest, regs)
             continue
         args = [x.strip() for x in rest.split(",")]
         for r in regs:
+            if pred is not None and not r[pred]:
+                continue
             if op == "mov.b32" and args[0].startswith("{"):   # unpack into two 16-bit registers
                 v = r[args[2]]
                 r[args[0][1:]], r[args[1][:-1]] = v & 0xFFFF, v >> 16

@@ -253,9 +253,11 @@ def test_bitplane_probe_planes_give_the_exact_product():
 
 def test_bitplane_gate_up_layouts_hold_the_planes_and_x():
     """bench/bitplane_gate_up.py's copies: the weight words give back every level (3 b0 + 5 b1 - 4 = LEVELS[code]) and
-    the scale bytes in w2 order; x's planes, read as 16-bit two's complement, are its quantized integers, the
-    corrections are -4 times their group sums and the exponent bits are (e - 15) << 23."""
-    from bench.bitplane_gate_up import levels_of_bitplanes, pack_x_planes, quantize_x, scales_of_bitplanes, to_bitplanes
+    the scale bytes in w2 order, and the paired scale words hold w1's then w3's; x's planes, read as 16-bit two's
+    complement, are its quantized integers, the corrections are -4 times their group sums and the exponent bits
+    (e - 15) << 23."""
+    from bench.bitplane_gate_up import (levels_of_bitplanes, pack_x_planes, pair_scale_words, quantize_x,
+                                        scales_of_bitplanes, to_bitplanes)
     from moebox.ops.triton.w2_moe import random_planes
     from moebox.quant.w2 import LEVELS, W2Tensor
     codes, scales = random_planes(3, 256, 64, seed=4)[:2]
@@ -263,8 +265,10 @@ def test_bitplane_gate_up_layouts_hold_the_planes_and_x():
     want = LEVELS[torch.stack([W2Tensor(codes[e], scales[e]).level_codes() for e in range(3)]).long()]
     assert torch.equal(levels_of_bitplanes(words), want)
     assert torch.equal(scales_of_bitplanes(sb), scales.view(torch.uint8))
+    paired = pair_scale_words(sb, sb.flip(0)).view(torch.uint8)                    # [E, rb, step, g, 16 bytes]
+    assert torch.equal(paired[..., :8], sb) and torch.equal(paired[..., 8:], sb.flip(0))
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 3, 256)
-    xq, corr, xe = pack_x_planes(x)
+    xq, corr = pack_x_planes(x)
     q, e = quantize_x(x)
     assert (q.double() * torch.exp2(e - 15.0).repeat_interleave(32, -1) - x.double()).abs().max() \
         <= torch.exp2(e - 16.0).repeat_interleave(32, -1).max()
@@ -273,8 +277,53 @@ def test_bitplane_gate_up_layouts_hold_the_planes_and_x():
     u = (bits << torch.arange(16)[:, None]).sum(-2)
     assert torch.equal((u - ((u >> 15) << 16)).reshape(2, 256), q)
     assert torch.equal(corr[..., 0].reshape(2, -1).long(), -4 * q.reshape(2, -1, 32).sum(-1))
-    assert torch.equal(corr[..., 2], corr[..., 0]) and not corr[..., [1, 3, 4, 5, 6, 7]].any()
-    assert torch.equal(xe.reshape(2, -1).long(), (e - 15) << 23)
+    assert torch.equal(corr[..., 2], corr[..., 0]) and not corr[..., [4, 6]].any()
+    for slot in (1, 3, 5, 7):
+        assert torch.equal(corr[..., slot].reshape(2, -1).long(), (e - 15) << 23)
+
+
+def test_bitplane_asm_gives_each_row_and_group_its_scaled_dot_in_the_ptx_emulator():
+    """bench/bitplane_gate_up.py's inline asm, run for one warp by tests/ptx_warp.py on the layouts' own words (lane
+    (g, t) gets the quads of its rows g, g + 8 for two groups, x's plane quads, the corrections (lanes t = 0) and
+    exponent bits, the paired scale words of w1 and w3, m and f = +-512): for either matrix and pair of groups the
+    lanes' slot results, weighted 4^t over t as the kernel folds them, are each row's dequantized weights times
+    quantized x over the group, exactly; the accumulator is added with one fp32 rounding and slots 2, 3 pass
+    through."""
+    import numpy as np
+
+    from bench.bitplane_gate_up import bitplane_asm, pack_x_planes, pair_scale_words, quantize_x, to_bitplanes
+    from moebox.ops.triton.w2_moe import random_planes
+    from moebox.quant.w2 import W2Tensor
+    from tests.ptx_warp import f32, f32_bits, run_warp
+    codes, scales = random_planes(2, 128, 8, seed=7)[:2]             # w1, w3: 16 rows, one K step of 4 groups each
+    (words, sb), (_, sb3) = to_bitplanes(codes, scales), to_bitplanes(codes.flip(0), scales.flip(0))
+    scale_words = pair_scale_words(sb, sb3)[0, 0, 0]                 # [g, 4]: w1's two words, then w3's
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(8)) * torch.logspace(-2, 2, 128)
+    xq, corr = pack_x_planes(x)
+    q, e = quantize_x(x)
+    xs = q.double() * torch.exp2(e - 15.0).repeat_interleave(32, -1)
+    u32 = lambda t: [int(v) & 0xFFFFFFFF for v in t.reshape(-1).tolist()]   # noqa: E731
+    for matrix, pair in ((0, 0), (0, 1), (1, 0), (1, 1)):           # the asm's rho 0, 1 = groups 2 pair, 2 pair + 1
+        ref = (W2Tensor(codes[matrix], scales[matrix]).dequantize(torch.float64) * xs).reshape(16, 4, 32).sum(-1)
+        groups = slice(2 * pair, 2 * pair + 2)
+        acc = torch.randn(32, 8, generator=torch.Generator().manual_seed(pair))
+        outs = {}
+        for name, acc_in in (("zero", torch.zeros(32, 8)), ("acc", acc)):
+            inputs = []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                inputs.append(u32(words[matrix, 0, 0, groups, g]) + u32(xq[0, 0, groups, g])
+                              + u32(corr[0, 0, groups, 4 * (t != 0):4 * (t != 0) + 4])
+                              + u32(scale_words[g].repeat(2)) + [pair] * 8
+                              + [(-512 if t == 3 else 512) & 0xFFFFFFFF] * 8 + [f32_bits(float(v)) for v in acc_in[lane]])
+            outs[name] = np.array([[f32(v) for v in lane] for lane in run_warp(bitplane_asm(matrix), inputs, 8, 8)])
+        zero = outs["zero"].reshape(8, 4, 2, 4)                      # [g, t, rho, slot]
+        got = (zero[..., :2] * (4.0 ** np.arange(4))[None, :, None, None]).sum(1)   # [g, rho, half]
+        assert np.array_equal(got.transpose(2, 0, 1).reshape(16, 2), ref[:, groups].numpy()), (matrix, pair)
+        assert not zero[..., 2:].any()
+        sums = (outs["zero"] + acc.numpy()).astype(np.float32).reshape(32, 2, 4)
+        want = np.where(np.arange(4) < 2, sums, acc.numpy().reshape(32, 2, 4))
+        assert np.array_equal(outs["acc"].reshape(32, 2, 4), want.astype(np.float32)), (matrix, pair)
 
 
 @pytest.mark.slow
