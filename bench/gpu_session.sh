@@ -114,7 +114,9 @@ tests)
     # shellcheck disable=SC2086  # TESTS: a subset of the test files (default: all of the GPU ones); TESTS_K: a
     # pytest -k expression (it may hold spaces, which TESTS, split on them, cannot); PYTEST_ARGS: more flags, e.g.
     # "-n 4" (the image has pytest-xdist)
-    step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -rf \
+    quiet=-q; [[ " ${PYTEST_ARGS:-} " == *" -v "* ]] && quiet=""   # -q would cancel a -v
+    # shellcheck disable=SC2086  # quiet: one flag or none
+    step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest $quiet -m gpu -p no:cacheprovider -W ignore -rf \
         ${PYTEST_ARGS:-} ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
         tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \

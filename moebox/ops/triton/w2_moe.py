@@ -418,6 +418,22 @@ if HAVE_TRITON:
                                         dtype=tl.int32, is_pure=True, pack=8)
         return out.to(tl.float32, bitcast=True)
 
+    # A probe's stand-in for `_mma_asm` (bench/gate_up_bound.py): all 48 operands xor-ed into every output (the
+    # reduction keeps only some acc slots, so an operand folded into one slot alone could lose its load to ptxas's
+    # dead-code pass), 24 LOP3 a pack: the loads without the unpack and the mmas.
+    _XOR_ASM = tl.constexpr("\n".join(
+        ["{", ".reg .b32 t;", "xor.b32 t, $8, $9;"]
+        + [f"lop3.b32 t, t, ${a}, ${a + 1}, 0x96;" for a in range(10, 56, 2)]
+        + [f"xor.b32 ${k}, t, ${56 + k};" for k in range(8)] + ["}"]))
+
+    @triton.jit
+    def _xor_word_dot(cw, sb, x0, x1, x2, x3, acc):
+        """`_mma_word_dot`'s operands xor-ed into acc's bits: the loads without the math (a probe, not a result)."""
+        out = tl.inline_asm_elementwise(_XOR_ASM, _MMA_CONSTRAINTS,
+                                        [cw, sb.to(tl.int32), x0, x1, x2, x3, acc.to(tl.int32, bitcast=True)],
+                                        dtype=tl.int32, is_pure=True, pack=8)
+        return out.to(tl.float32, bitcast=True)
+
     @triton.jit
     def _pair_offset(j):
         """int32 offset of pair j of a word from the word's slot of pair 0 (see `_pair_slot`)."""
@@ -509,7 +525,7 @@ if HAVE_TRITON:
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
                             TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
                             PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
-                            PDL: tl.constexpr):
+                            PDL: tl.constexpr, LOADS_ONLY: tl.constexpr = False):
         pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
         rw = tl.program_id(1)                       # 16 rows of I: one word of h
@@ -539,8 +555,12 @@ if HAVE_TRITON:
             if USE_ASM:
                 xb = x_row + wb * 8
                 x0, x1, x2, x3 = _b_fragments(xb)
-                acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g, SELECTOR_FMA)
-                acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u, SELECTOR_FMA)
+                if LOADS_ONLY:
+                    acc_g = _xor_word_dot(c1, s1, x0, x1, x2, x3, acc_g)
+                    acc_u = _xor_word_dot(c3, s3, x0, x1, x2, x3, acc_u)
+                else:
+                    acc_g = _mma_word_dot(c1, s1, x0, x1, x2, x3, acc_g, SELECTOR_FMA)
+                    acc_u = _mma_word_dot(c3, s3, x0, x1, x2, x3, acc_u, SELECTOR_FMA)
             else:
                 acc_g += _plain_word_dot(c1, s1.to(tl.int32), x_row + wb * 8, TX, HW * 8)
                 acc_u += _plain_word_dot(c3, s3.to(tl.int32), x_row + wb * 8, TX, HW * 8)
@@ -677,9 +697,10 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
 
 def _gate_up_mma(x: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor,
                  w1s: torch.Tensor, w3c: torch.Tensor, w3s: torch.Tensor, limit: float | None, k: int,
-                 cfg: DecodeConfig) -> torch.Tensor:
+                 cfg: DecodeConfig, loads_only: bool = False) -> torch.Tensor:
     """Launch the mma gate-up kernel on x packed into xp -> h as bf16 terms in the pair layout (int32 [N k, T_h,
-    I/16, 8]), what the down kernel reads. Apart from `_decode_mma` so that a bench can time it alone."""
+    I/16, 8]), what the down kernel reads. Apart from `_decode_mma` so that a bench can time it alone;
+    loads_only: the probe's kernel without the math (`_xor_word_dot`; h is then meaningless)."""
     n, hidden = x.shape
     inter = w1c.shape[1]
     hw, iw = hidden // 16, inter // 16
@@ -691,7 +712,7 @@ def _gate_up_mma(x: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor, rw: torch
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=not interpreting(), SELECTOR_FMA=cfg.selector_fma,
+        USE_ASM=not interpreting(), SELECTOR_FMA=cfg.selector_fma, LOADS_ONLY=loads_only,
         num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     return hp
 
@@ -914,7 +935,8 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
 
 
 # ----------------------------------------------------------------------------------------------- sm_90 build
-def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False) -> dict:
+def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False, loads_only: bool = False
+                ) -> dict:
     """Build one mma kernel ("gate_up" or "down", V4-Flash constants, bf16 x) for sm_90 on any machine with
     Triton's NVIDIA backend (no GPU needed) and report what the inline asm relies on and what it costs: the
     layout of the asm operands, layout conversions inside the K loop, registers and spill stack, and the SASS
@@ -922,7 +944,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
                                           "i32", "i32", "fp32")
-        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True)
+        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, LOADS_ONLY=loads_only)
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
