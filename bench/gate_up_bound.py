@@ -8,16 +8,20 @@ four ways on the same random planes, each a CUDA-graph replay of back-to-back ca
 - "l2": every token routed to experts 0..k-1 in every call, so after the first call the planes come from L2;
 - "loads": the same kernel with its unpack and mmas replaced by an xor of the same operands (`_xor_word_dot`:
   every load kept, 3 LOP3 an output instead of ~100 instructions), on the dram routings;
-- "loads l2": that on the l2 routings.
+- "loads l2": that on the l2 routings;
+- "tiled", "loads tiled": the kernel and its loads-only form with each program's 16 rows of codes read as if stored
+  tile by tile (each warp's K step one contiguous KB instead of 16 pieces of 64 bytes, one a row 1 KB apart; the
+  same bytes, wrong values), on the dram routings: what a device-side relayout of the planes could give.
 If "loads" is about as slow as "dram", the loads (their pattern, the bytes a program keeps in flight) bound the
 kernel and no cheaper unpack can help; if "l2" is about as slow as "dram", the math does, whatever the format.
 
-    python -m bench.gate_up_bound [--tokens 1 2 4 8 16]
+    python -m bench.gate_up_bound [--tokens 1 2 4 8 16] [--prefetch 2]
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -25,7 +29,7 @@ import torch
 from moebox.ops.triton import w2_moe
 from moebox.ops.triton.runtime import bench_start, graph_us, versions
 
-MODES = ("dram", "l2", "loads", "loads l2")
+MODES = ("dram", "l2", "loads", "loads l2", "tiled", "loads tiled")
 
 
 def fixed_routing(tokens: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,17 +39,18 @@ def fixed_routing(tokens: int, k: int, device: torch.device) -> tuple[torch.Tens
 
 
 def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermediate: int = 2048,
-          experts: int = 256, k: int = 6, limit: float = 10.0, l2_miss_bytes: int = 256 << 20, rep: int = 100
-          ) -> list[dict]:
+          experts: int = 256, k: int = 6, limit: float = 10.0, l2_miss_bytes: int = 256 << 20, rep: int = 100,
+          prefetch: int | None = None) -> list[dict]:
     """One row a (N, mode): us a call and the rate over the bytes each call reads (dram: its distinct experts'
-    w1 + w3 planes; l2: the N k pairs' planes, which L2 serves)."""
+    w1 + w3 planes; l2: the N k pairs' planes, which L2 serves). prefetch: K steps the code loads run ahead (the
+    default tiling's for N if None)."""
     device = torch.device("cuda")
     w13c, w13s = w2_moe.random_planes(experts, hidden, intermediate, device=device)[:2]
     w1c, w1s, w3c, w3s = w2_moe._split_w13(w13c, w13s)
     w1c, w3c, w1s, w3s = w1c.view(torch.int32), w3c.view(torch.int32), w2_moe._u8(w1s), w2_moe._u8(w3s)
     per_expert = 2 * w2_moe.expert_bytes(hidden, intermediate) // 3
     print(f"mma gate-up alone, H {hidden} I {intermediate} E {experts} k {k}, bf16 x\n"
-          f"{'mode':9s} {'N':>3s} {'calls':>5s} {'us':>8s} {'GB/s':>7s} {'x dram':>7s}", flush=True)
+          f"prefetch {prefetch or 'default'}\n{'mode':11s} {'N':>3s} {'calls':>5s} {'us':>8s} {'GB/s':>7s} {'x dram':>7s}", flush=True)
     rows = []
     for n in tokens:
         calls = max(2, -(-l2_miss_bytes // (min(experts, n * k) * per_expert)))
@@ -54,6 +59,7 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
         cfg = w2_moe.default_config(n)
+        cfg = replace(cfg, prefetch=prefetch or cfg.prefetch)
         base = None
         for mode in MODES:
             routes = l2 if mode.endswith("l2") else dram
@@ -61,24 +67,26 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
                       sum(int(torch.unique(ids).numel()) for ids, _ in routes) / calls) * per_expert
             flat = [(ids.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()) for ids, w in routes]
             fns = [lambda f=f: w2_moe._gate_up_mma(x, xp, f[0], f[1], w1c, w1s, w3c, w3s, limit, k, cfg,
-                                                   loads_only=mode.startswith("loads"))
+                                                   loads_only=mode.startswith("loads"), tiled=mode.endswith("tiled"))
                    for f in flat]
             us = graph_us(fns, rep)
             base = base or us
             rows.append({"mode": mode, "tokens": n, "us": us, "GB/s": nbytes / us / 1e3, "vs_dram": us / base})
-            print(f"{mode:9s} {n:3d} {calls:5d} {us:8.1f} {nbytes / us / 1e3:7.0f} {us / base:7.2f}", flush=True)
+            print(f"{mode:11s} {n:3d} {calls:5d} {us:8.1f} {nbytes / us / 1e3:7.0f} {us / base:7.2f}", flush=True)
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.gate_up_bound", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--prefetch", type=int, choices=(1, 2), help="K steps the code loads run ahead (default: the "
+                                                                 "default tiling's, 1)")
     args = p.parse_args(argv)
     print(versions())
     bench_start()
     from moebox.ops.triton.fp8_linear import copy_bandwidth
     print(f"copy bandwidth {copy_bandwidth(torch.device('cuda')):.0f} GB/s")
-    bench(tokens=args.tokens)
+    bench(tokens=args.tokens, prefetch=args.prefetch)
 
 
 if __name__ == "__main__":

@@ -513,11 +513,14 @@ if HAVE_TRITON:
         _store_bf16_terms(xp_ptr, n.to(tl.int64) * (T * KW * 16) + pos, v, T, KW * 16)
 
     @triton.jit
-    def _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, u, LAST: tl.constexpr):
-        """The w1 and w3 code words and scale bytes of K tile u (16 words; clamped to the last tile)."""
+    def _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, u, LAST: tl.constexpr,
+                    TILE_WORDS: tl.constexpr):
+        """The w1 and w3 code words and scale bytes of K tile u (16 words; clamped to the last tile); TILE_WORDS:
+        words from one tile of a row's codes to the next (256 for the probe's tile-by-tile addressing)."""
         wb = tl.minimum(u, LAST) * 16
-        return (tl.load(w1c_ptr + c_row + wb), tl.load(w1s_ptr + s_row + wb // 2),
-                tl.load(w3c_ptr + c_row + wb), tl.load(w3s_ptr + s_row + wb // 2), wb)
+        cb = tl.minimum(u, LAST) * TILE_WORDS
+        return (tl.load(w1c_ptr + c_row + cb), tl.load(w1s_ptr + s_row + wb // 2),
+                tl.load(w3c_ptr + c_row + cb), tl.load(w3s_ptr + s_row + wb // 2), wb)
 
     @triton.jit
     def _gate_up_mma_kernel(xp_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
@@ -525,7 +528,7 @@ if HAVE_TRITON:
                             I: tl.constexpr, HW: tl.constexpr, K: tl.constexpr, TX: tl.constexpr,
                             TH: tl.constexpr, HAS_LIMIT: tl.constexpr, S: tl.constexpr,
                             PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
-                            PDL: tl.constexpr, LOADS_ONLY: tl.constexpr = False):
+                            PDL: tl.constexpr, LOADS_ONLY: tl.constexpr = False, TILED: tl.constexpr = False):
         pdl_start(PDL)
         p = tl.program_id(0)                        # (token, expert) pair, t * K + j
         rw = tl.program_id(1)                       # 16 rows of I: one word of h
@@ -535,6 +538,9 @@ if HAVE_TRITON:
         r = 8 * rho + g
         row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
         c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
+        TILE_WORDS: tl.constexpr = 256 if TILED else 16
+        if TILED:   # probe: the 16 rows' codes read as if stored tile by tile (1 KB each; same bytes, wrong values)
+            c_row = e * c_expert_stride + (16 * rw).to(tl.int64) * HW + (row - 16 * rw) * 16 + w
         if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
             s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
             x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
@@ -546,12 +552,13 @@ if HAVE_TRITON:
         acc_u = tl.zeros((16 * S, 16), dtype=tl.float32)
         # warp s takes K tiles s, s + S, ...; the loads of the tile PREFETCH steps ahead are issued before
         # this tile's math (Triton does not pipeline loads in loops without tl.dot)
-        c1, s1, c3, s3, wb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp, LAST)
+        c1, s1, c3, s3, wb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp, LAST, TILE_WORDS)
         if PREFETCH == 2:
-            d1, e1, d3, e3, db = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp + S, LAST)
+            d1, e1, d3, e3, db = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, sp + S, LAST,
+                                             TILE_WORDS)
         for u0 in tl.range(0, LAST + 1, S, loop_unroll_factor=PREFETCH):
             n1, m1, n3, m3, nb = _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row,
-                                             u0 + PREFETCH * S + sp, LAST)
+                                             u0 + PREFETCH * S + sp, LAST, TILE_WORDS)
             if USE_ASM:
                 xb = x_row + wb * 8
                 x0, x1, x2, x3 = _b_fragments(xb)
@@ -697,10 +704,11 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
 
 def _gate_up_mma(x: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor,
                  w1s: torch.Tensor, w3c: torch.Tensor, w3s: torch.Tensor, limit: float | None, k: int,
-                 cfg: DecodeConfig, loads_only: bool = False) -> torch.Tensor:
+                 cfg: DecodeConfig, loads_only: bool = False, tiled: bool = False) -> torch.Tensor:
     """Launch the mma gate-up kernel on x packed into xp -> h as bf16 terms in the pair layout (int32 [N k, T_h,
     I/16, 8]), what the down kernel reads. Apart from `_decode_mma` so that a bench can time it alone;
-    loads_only: the probe's kernel without the math (`_xor_word_dot`; h is then meaningless)."""
+    loads_only: the probe's kernel without the math (`_xor_word_dot`); tiled: the probe's codes addressed tile by
+    tile (wrong values). Either makes h meaningless."""
     n, hidden = x.shape
     inter = w1c.shape[1]
     hw, iw = hidden // 16, inter // 16
@@ -712,7 +720,7 @@ def _gate_up_mma(x: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor, rw: torch
         xp, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16),
         w1c.stride(0), w1s.stride(0), float(limit) if has_limit else 0.0,
         I=inter, HW=hw, K=k, TX=tx, TH=th, HAS_LIMIT=has_limit, S=gate_split, PREFETCH=cfg.prefetch,
-        USE_ASM=not interpreting(), SELECTOR_FMA=cfg.selector_fma, LOADS_ONLY=loads_only,
+        USE_ASM=not interpreting(), SELECTOR_FMA=cfg.selector_fma, LOADS_ONLY=loads_only, TILED=tiled,
         num_warps=gate_split, num_stages=1, **pdl_args(x, _gate_up_mma_kernel))
     return hp
 
@@ -944,7 +952,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
                                           "i32", "i32", "fp32")
-        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, LOADS_ONLY=loads_only)
+        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, LOADS_ONLY=loads_only, TILED=False)
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
