@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import textwrap
 from dataclasses import replace
 
@@ -388,3 +389,33 @@ def test_gpu_cuda_graph_replay(variant: str) -> None:
         torch.cuda.synchronize()
         ref = w2_moe_decode_reference(x.float(), ids, w, *planes, 3.0)
         assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.slow
+@needs_triton
+def test_gate_up_probe_tiled_addressing_reads_each_rows_codes_from_their_tile() -> None:
+    """bench/gate_up_bound.py's "tiled" mode claims the same bytes in another order: in the interpreter, gate-up
+    with TILED on planes stored tile by tile (each 16-row block's K tiles of 16 words contiguous) gives exactly
+    the h of the row-major kernel on the row-major planes."""
+    from tests.interpreter import run_in_interpreter
+    out = run_in_interpreter(_INTERPRETER_SETUP + textwrap.dedent("""
+        from moebox.ops.triton import w2_moe
+        hidden, inter, e, k, n = 512, 256, 3, 2, 2
+        w13c, w13s = random_planes(e, hidden, inter, seed=7)[:2]
+        hw = hidden // 16
+        tiled = w13c.view(torch.int32).view(e, 2 * inter // 16, 16, hw // 16, 16).permute(0, 1, 3, 2, 4)
+        tiled = tiled.contiguous().view(e, 2 * inter, hw).view(torch.uint8)
+        ids, w = random_routing(n, e, k, seed=3)
+        x = torch.randn(n, hidden)
+        xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
+        hs = []
+        for codes, flag in ((w13c, False), (tiled, True)):
+            w1c, w1s, w3c, w3s = w2_moe._split_w13(codes, w13s)
+            hs.append(w2_moe._gate_up_mma(x, xp, ids.reshape(-1), w.reshape(-1).float(), w1c.view(torch.int32),
+                                          w2_moe._u8(w1s), w3c.view(torch.int32), w2_moe._u8(w3s), 10.0, k,
+                                          DecodeConfig(), tiled=flag))
+        print("RESULT " + json.dumps([bool(torch.equal(*hs)), bool(hs[0].abs().sum() > 0),
+                                      bool(torch.equal(tiled, w13c))]))
+    """))
+    same, nonzero, layouts_equal = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+    assert same and nonzero and not layouts_equal
