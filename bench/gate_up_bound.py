@@ -14,6 +14,9 @@ four ways on the same random planes, each a CUDA-graph replay of back-to-back ca
   same bytes, wrong values), on the dram routings: what a device-side relayout of the planes could give.
 If "loads" is about as slow as "dram", the loads (their pattern, the bytes a program keeps in flight) bound the
 kernel and no cheaper unpack can help; if "l2" is about as slow as "dram", the math does, whatever the format.
+Forty-eighth session, H100 (docs/benchmarks.md has the tables): from N = 4 each alone takes 0.84-0.91 of the full
+time, and tile-by-tile addressing makes the loads 1.24-1.38x faster than the full kernel, the most any format that
+keeps these loads could gain.
 
     python -m bench.gate_up_bound [--tokens 1 2 4 8 16] [--prefetch 2]
 """
