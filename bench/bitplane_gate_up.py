@@ -294,16 +294,13 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
     GB/s counts the distinct experts' w1 + w3 bytes a call reads."""
     device = torch.device("cuda")
     (w1c, w1s, w3c, w3s), (w1b, w3b, ws) = random_gate_up_planes(experts, hidden, intermediate, device)
-    w1c32, w3c32 = w1c.view(torch.int32), w3c.view(torch.int32)
-    w1u, w3u = w2_moe._u8(w1s), w2_moe._u8(w3s)
+    w1c32, w1u, w3c32, w3u = w2_moe.gate_up_operands(w1c, w1s, w3c, w3s)
     per_expert = 2 * w2_moe.expert_bytes(hidden, intermediate) // 3
     print(f"gate-up alone, H {hidden} I {intermediate} E {experts} k {k}, bf16 x\n"
           f"{'kernel':18s} {'N':>3s} {'us':>8s} {'GB/s':>7s} {'vs mma':>7s}", flush=True)
     rows = []
     for n in tokens:
-        calls = max(2, -(-l2_miss_bytes // (min(experts, n * k) * per_expert)))
-        routes = [w2_moe.random_routing(n, experts, k, device=device, seed=1000 * n + c) for c in range(calls)]
-        nbytes = sum(int(torch.unique(ids).numel()) for ids, _ in routes) * per_expert / calls
+        routes, nbytes = w2_moe.miss_routes(n, experts, k, per_expert, l2_miss_bytes, device)
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
         xq, cq = pack_x_planes(x)

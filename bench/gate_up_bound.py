@@ -49,15 +49,15 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
     default tiling's for N if None)."""
     device = torch.device("cuda")
     w13c, w13s = w2_moe.random_planes(experts, hidden, intermediate, device=device)[:2]
-    w1c, w1s, w3c, w3s = w2_moe._split_w13(w13c, w13s)
-    w1c, w3c, w1s, w3s = w1c.view(torch.int32), w3c.view(torch.int32), w2_moe._u8(w1s), w2_moe._u8(w3s)
+    w1c, w1s, w3c, w3s = w2_moe.gate_up_operands(*w2_moe._split_w13(w13c, w13s))
     per_expert = 2 * w2_moe.expert_bytes(hidden, intermediate) // 3
-    print(f"mma gate-up alone, H {hidden} I {intermediate} E {experts} k {k}, bf16 x\n"
-          f"prefetch {prefetch or 'default'}\n{'mode':11s} {'N':>3s} {'calls':>5s} {'us':>8s} {'GB/s':>7s} {'x dram':>7s}", flush=True)
+    print(f"mma gate-up alone, H {hidden} I {intermediate} E {experts} k {k}, bf16 x, prefetch "
+          f"{prefetch or 'default'}\n{'mode':11s} {'N':>3s} {'calls':>5s} {'us':>8s} {'GB/s':>7s} {'x dram':>7s}",
+          flush=True)
     rows = []
     for n in tokens:
-        calls = max(2, -(-l2_miss_bytes // (min(experts, n * k) * per_expert)))
-        dram = [w2_moe.random_routing(n, experts, k, device=device, seed=1000 * n + c) for c in range(calls)]
+        dram, dram_bytes = w2_moe.miss_routes(n, experts, k, per_expert, l2_miss_bytes, device)
+        calls = len(dram)
         l2 = [fixed_routing(n, k, device)] * calls
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
@@ -66,8 +66,7 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
         base = None
         for mode in MODES:
             routes = l2 if mode.endswith("l2") else dram
-            nbytes = (n * k if routes is l2 else
-                      sum(int(torch.unique(ids).numel()) for ids, _ in routes) / calls) * per_expert
+            nbytes = n * k * per_expert if routes is l2 else dram_bytes
             flat = [(ids.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()) for ids, w in routes]
             fns = [lambda f=f: w2_moe._gate_up_mma(x, xp, f[0], f[1], w1c, w1s, w3c, w3s, limit, k, cfg,
                                                    loads_only=mode.startswith("loads"), tiled=mode.endswith("tiled"))

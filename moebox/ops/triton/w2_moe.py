@@ -942,6 +942,22 @@ def random_routing(tokens: int, experts: int, k: int, device: torch.device | str
     return ids.to(device), w.to(device)
 
 
+def miss_routes(tokens: int, experts: int, k: int, per_expert: int, l2_miss_bytes: int, device: torch.device
+                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+    """Enough random routings of `tokens` tokens that back-to-back calls on them read more than l2_miss_bytes of
+    planes (so each call misses L2, as consecutive layers do), and the mean bytes of distinct experts a call reads
+    (per_expert bytes each): what the kernel benches replay."""
+    calls = max(2, -(-l2_miss_bytes // (min(experts, tokens * k) * per_expert)))
+    routes = [random_routing(tokens, experts, k, device=device, seed=1000 * tokens + c) for c in range(calls)]
+    return routes, sum(int(torch.unique(ids).numel()) for ids, _ in routes) * per_expert / calls
+
+
+def gate_up_operands(w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
+                     w3_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w1/w3 planes -> (w1 codes int32, w1 scales uint8, w3 codes, w3 scales): the views `_gate_up_mma` takes."""
+    return w1_codes.view(torch.int32), _u8(w1_scales), w3_codes.view(torch.int32), _u8(w3_scales)
+
+
 # ----------------------------------------------------------------------------------------------- sm_90 build
 def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool = False, loads_only: bool = False
                 ) -> dict:
@@ -999,9 +1015,8 @@ def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16
           flush=True)
     rows = []
     for n in tokens:
-        calls = max(2, -(-l2_miss_bytes // (min(experts, n * k) * per_expert)))
-        routes = [random_routing(n, experts, k, device=device, seed=1000 * n + i) for i in range(calls)]
-        nbytes = sum(int(torch.unique(ids).numel()) for ids, _ in routes) * per_expert / calls
+        routes, nbytes = miss_routes(n, experts, k, per_expert, l2_miss_bytes, device)
+        calls = len(routes)
         x = torch.randn((n, hidden), device=device).to(dtype)
         out = torch.empty((n, hidden), device=device, dtype=dtype)
         for name, cfg in configs:
