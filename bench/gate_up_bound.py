@@ -58,19 +58,19 @@ def bench(tokens: Sequence[int] = (1, 2, 4, 8, 16), hidden: int = 4096, intermed
     for n in tokens:
         dram, dram_bytes = w2_moe.miss_routes(n, experts, k, per_expert, l2_miss_bytes, device)
         calls = len(dram)
-        l2 = [fixed_routing(n, k, device)] * calls
+        flat = {where: [(ids.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()) for ids, w in routes]
+                for where, routes in (("dram", dram), ("l2", [fixed_routing(n, k, device)] * calls))}
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
         cfg = w2_moe.default_config(n)
         cfg = replace(cfg, prefetch=prefetch or cfg.prefetch)
         base = None
         for mode in MODES:
-            routes = l2 if mode.endswith("l2") else dram
-            nbytes = n * k * per_expert if routes is l2 else dram_bytes
-            flat = [(ids.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()) for ids, w in routes]
+            where = "l2" if mode.endswith("l2") else "dram"
+            nbytes = n * k * per_expert if where == "l2" else dram_bytes
             fns = [lambda f=f: w2_moe._gate_up_mma(x, xp, f[0], f[1], w1c, w1s, w3c, w3s, limit, k, cfg,
                                                    loads_only=mode.startswith("loads"), tiled=mode.endswith("tiled"))
-                   for f in flat]
+                   for f in flat[where]]
             us = graph_us(fns, rep)
             base = base or us
             rows.append({"mode": mode, "tokens": n, "us": us, "GB/s": nbytes / us / 1e3, "vs_dram": us / base})

@@ -410,9 +410,8 @@ def test_gate_up_probe_tiled_addressing_reads_each_rows_codes_from_their_tile() 
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
         hs = []
         for codes, flag in ((w13c, False), (tiled, True)):
-            w1c, w1s, w3c, w3s = w2_moe._split_w13(codes, w13s)
-            hs.append(w2_moe._gate_up_mma(x, xp, ids.reshape(-1), w.reshape(-1).float(), w1c.view(torch.int32),
-                                          w2_moe._u8(w1s), w3c.view(torch.int32), w2_moe._u8(w3s), 10.0, k,
+            operands = w2_moe.gate_up_operands(*w2_moe._split_w13(codes, w13s))
+            hs.append(w2_moe._gate_up_mma(x, xp, ids.reshape(-1), w.reshape(-1).float(), *operands, 10.0, k,
                                           DecodeConfig(), tiled=flag))
         print("RESULT " + json.dumps([bool(torch.equal(*hs)), bool(hs[0].abs().sum() > 0),
                                       bool(torch.equal(tiled, w13c))]))

@@ -10,6 +10,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
 
 import functools
+import inspect
 import logging
 import os
 import subprocess
@@ -198,10 +199,13 @@ def build_sm90(fn, sig: dict[str, str], const: dict[str, object], aligned: Seque
     """Compile a Triton kernel for sm_90 on any machine with Triton's NVIDIA backend (no GPU needed), specialised
     as a launch would be: `sig` the types of its runtime arguments by name, `const` its constexprs, the
     arguments named in `aligned` marked divisible by 16 (pointers, and integers a launch finds so); `options` as
-    triton.compile takes them (num_warps, num_stages, ...). What the kernels' `sass_report`s build."""
+    triton.compile takes them (num_warps, num_stages, ...); constexprs left out take their defaults, as at a launch.
+    What the kernels' `sass_report`s build."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     names = fn.arg_names
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+             **const}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in const}},
                     constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})

@@ -517,8 +517,8 @@ if HAVE_TRITON:
                     TILE_WORDS: tl.constexpr):
         """The w1 and w3 code words and scale bytes of K tile u (16 words; clamped to the last tile); TILE_WORDS:
         words from one tile of a row's codes to the next (256 for the probe's tile-by-tile addressing)."""
-        wb = tl.minimum(u, LAST) * 16
-        cb = tl.minimum(u, LAST) * TILE_WORDS
+        tile = tl.minimum(u, LAST)
+        wb, cb = tile * 16, tile * TILE_WORDS
         return (tl.load(w1c_ptr + c_row + cb), tl.load(w1s_ptr + s_row + wb // 2),
                 tl.load(w3c_ptr + c_row + cb), tl.load(w3s_ptr + s_row + wb // 2), wb)
 
@@ -537,10 +537,11 @@ if HAVE_TRITON:
         g, sp, rho, w = _tile_coords(S, 2)
         r = 8 * rho + g
         row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
-        c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
         TILE_WORDS: tl.constexpr = 256 if TILED else 16
         if TILED:   # probe: the 16 rows' codes read as if stored tile by tile (1 KB each; same bytes, wrong values)
             c_row = e * c_expert_stride + (16 * rw).to(tl.int64) * HW + (row - 16 * rw) * 16 + w
+        else:
+            c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
         if USE_ASM:   # x pairs: lane (g, t) reads x term g (a copy of term TX-1 past TX), its words' pairs
             s_row = e * s_expert_stride + row * (HW // 2) + 2 * (w // 4) + (w % 2)
             x_row = xp_ptr + (t * TX + tl.minimum(g, TX - 1)).to(tl.int64) * (HW * 8) + 16 * rho + w
@@ -968,7 +969,7 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
     if kernel == "gate_up":
         fn, types = _gate_up_mma_kernel, ("*i32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8", "*i16",
                                           "i32", "i32", "fp32")
-        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, LOADS_ONLY=loads_only, TILED=False)
+        const = dict(I=2048, HW=256, K=6, TX=1, TH=2, HAS_LIMIT=True, LOADS_ONLY=loads_only)
     else:
         fn, types = _down_mma_kernel, ("*i32", "*i64", "*i32", "*u8", "*bf16", "i32", "i32", "i32")
         const = dict(IW=128, K=6, TH=2)
