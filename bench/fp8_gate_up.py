@@ -22,7 +22,12 @@ Layout. A program (8 warps, two warpgroups) owns 64 rows of I: rows 0-63 of its 
 of each 16-word K step, the production kernels' per-lane load, and that is the wgmma A fragment's lane map. A
 word's 16 codes give 4 registers of 4 e4m3 bytes: codes {0,2,4,6}, {8,..,14}, {1,..,7}, {9,..,15}; the K order
 of x is permuted to match (`x_permutation`), so no byte moves. x's terms for the token go to shared memory once
-a program ([16 steps, 8 rows, 256] e4m3, rows >= T zero).
+a program, by the TMA ([32 half steps, 8 rows, 128] e4m3, rows >= T zero): after plain shared-memory stores Triton
+put a CTA barrier before every step's wgmma (docs/benchmarks.md, forty-ninth session).
+
+Measured and dropped there (commit 6a0156e has the code): the K loop unrolled (slower), and one accumulator
+chained through all steps with each step's wgmmas left in flight under the next step's unpack (wrong: ptxas lets
+the unpack overwrite A registers that wgmmas in flight still read).
 
     python -m bench.fp8_gate_up --sass          # build for sm_90 on any machine, count the loop's SASS
     python -m bench.fp8_gate_up                 # on a GPU: check against the planes' fp32 product, time it
@@ -35,13 +40,12 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, loop_sass
+from moebox.ops.triton.runtime import HAVE_TRITON
 
 if HAVE_TRITON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma, warpgroup_mma_init,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared   # Triton 3.9 | 3.6
 
@@ -49,13 +53,10 @@ STEP = 256          # K columns a step (16 code words)
 
 
 class Variant(NamedTuple):
-    """How the K loop runs (see the kernel): prefetch depth (1 or 2), one async accumulator chain (wrong: ptxas
-    lets the next step's unpack overwrite the A registers of wgmmas in flight), unrolled; tiled: the codes stored
-    tile by tile (`tile_codes`), so each warp's K step reads one contiguous KB."""
+    """How the kernel reads its codes: prefetch depth (K steps ahead, 1 or 2); tiled: stored tile by tile
+    (`tile_codes`), so each warp's K step reads one contiguous KB."""
 
     prefetch: int = 1
-    chain: bool = False
-    unroll: bool = False
     tiled: bool = False
 
 
@@ -68,6 +69,8 @@ def tile_codes(codes: torch.Tensor) -> torch.Tensor:
     e, rows, nb = codes.shape
     t = codes.view(e, rows // 16, 16, nb // 64, 64).permute(0, 1, 3, 2, 4).contiguous()
     return t.view(e, rows, nb)
+
+
 ROWS = 64           # rows of I a program
 
 # The 16 codes of a word -> 4 registers of 4 e4m3 bytes (operands: $0-$3 out, $4-$7 the word, $8-$11 its
@@ -179,8 +182,7 @@ if HAVE_TRITON:
     def _fp8_gate_up_kernel(x_desc, xe_ptr, ids_ptr, rw_ptr, wc_ptr, ws_ptr, rr_ptr, h_ptr,
                             c_expert_stride, s_expert_stride, r_expert_stride, limit,
                             I: gl.constexpr, HW: gl.constexpr, K: gl.constexpr, T: gl.constexpr,
-                            HAS_LIMIT: gl.constexpr, UNROLL: gl.constexpr,
-                            PREFETCH: gl.constexpr, CHAIN: gl.constexpr, TILED: gl.constexpr):
+                            HAS_LIMIT: gl.constexpr, PREFETCH: gl.constexpr, TILED: gl.constexpr):
         STEPS: gl.constexpr = HW // 16
 
         p = gl.program_id(0)
@@ -217,41 +219,18 @@ if HAVE_TRITON:
         mbarrier.wait(bar, phase=0)
         mbarrier.invalidate(bar)
 
-        # each step loads the codes and scales PREFETCH steps ahead before its math (clamped at the last step).
-        # CHAIN: one accumulator through all steps, each step's wgmmas left in flight under the next step's
-        # unpack (ptxas keeps its A registers until the wait); else each step's wgmmas start from zero, are waited for
-        # and added in fp32
+        # each step loads the codes and scales PREFETCH steps ahead before its math (clamped at the last step)
         if PREFETCH == 2:
             codes_a, sc_a = gl.load(c_ptrs + C_STEP), gl.load(s_ptrs + 8)
-        if CHAIN:
-            acc = warpgroup_mma_init(acc)
-        if UNROLL:
-            for u in gl.static_range(STEPS):
-                nxt = min(u + PREFETCH, STEPS - 1)
-                codes_n, sc_n = gl.load(c_ptrs + nxt * C_STEP), gl.load(s_ptrs + nxt * 8)
-                a0, a1 = _unpack(codes, sc, base)
-                acc = acc + _step_mma(a0, a1, x_smem, u, zero)
-                if PREFETCH == 2:
-                    codes, sc, codes_a, sc_a = codes_a, sc_a, codes_n, sc_n
-                else:
-                    codes, sc = codes_n, sc_n
-        else:
-            for u in range(STEPS):
-                nxt = gl.minimum(u + PREFETCH, STEPS - 1)
-                codes_n, sc_n = gl.load(c_ptrs + nxt * C_STEP), gl.load(s_ptrs + nxt * 8)
-                a0, a1 = _unpack(codes, sc, base)
-                if CHAIN:
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
-                    acc = warpgroup_mma(a0, x_smem.index(2 * u).permute((1, 0)), acc, is_async=True)
-                    acc = warpgroup_mma(a1, x_smem.index(2 * u + 1).permute((1, 0)), acc, is_async=True)
-                else:
-                    acc = acc + _step_mma(a0, a1, x_smem, u, zero)
-                if PREFETCH == 2:
-                    codes, sc, codes_a, sc_a = codes_a, sc_a, codes_n, sc_n
-                else:
-                    codes, sc = codes_n, sc_n
-        if CHAIN:
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        for u in range(STEPS):
+            nxt = gl.minimum(u + PREFETCH, STEPS - 1)
+            codes_n, sc_n = gl.load(c_ptrs + nxt * C_STEP), gl.load(s_ptrs + nxt * 8)
+            a0, a1 = _unpack(codes, sc, base)
+            acc = acc + _step_mma(a0, a1, x_smem, u, zero)
+            if PREFETCH == 2:
+                codes, sc, codes_a, sc_a = codes_a, sc_a, codes_n, sc_n
+            else:
+                codes, sc = codes_n, sc_n
 
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
         v = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
@@ -286,8 +265,8 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13c: torch.Te
     _fp8_gate_up_kernel[(n * k, inter // ROWS)](
         x_desc, xe, ids.reshape(-1), rw.reshape(-1).float(), wc, ws, rr, h,
         wc.stride(0), ws.stride(0), rr.stride(0), float(limit) if limit else 0.0,
-        I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=bool(limit), UNROLL=variant.unroll,
-        PREFETCH=variant.prefetch, CHAIN=variant.chain, TILED=variant.tiled, num_warps=8)
+        I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=bool(limit),
+        PREFETCH=variant.prefetch, TILED=variant.tiled, num_warps=8)
     return h
 
 
@@ -299,8 +278,8 @@ def build_sm90(variant: Variant = Variant(), hidden: int = 4096, inter: int = 20
     fn = _fp8_gate_up_kernel
     types = (f"tensordesc<fp8e4nv[8, 128],{_XS.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*fp32", "i32", "i32", "i32", "fp32")
     sig = dict(zip(fn.arg_names, types))
-    const = dict(I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=True, UNROLL=variant.unroll, PREFETCH=variant.prefetch,
-                 CHAIN=variant.chain, TILED=variant.tiled)
+    const = dict(I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=True, PREFETCH=variant.prefetch,
+                 TILED=variant.tiled)
     names = fn.arg_names
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in const}},
                          constexprs={(names.index(c),): v for c, v in const.items()},
@@ -309,15 +288,23 @@ def build_sm90(variant: Variant = Variant(), hidden: int = 4096, inter: int = 20
 
 
 def sass_report(variant: Variant = Variant()) -> dict:
-    """The sm_90 build: SASS op counts of the K loop (or of the whole kernel, unrolled), registers, spills, CTA
-    barriers, and instructions a weight (a lane holds 2 rows x 64 columns = 128 weights a step)."""
+    """The sm_90 build: registers, spill stack, and the SASS of the K loop (the shortest backward branch around
+    the wgmmas; the TMA wait's retry loop spans it too): op counts and instructions a weight (a lane handles 2 rows
+    x 64 columns = 128 weights a step)."""
+    import collections
+    import re
     from moebox.ops.triton.runtime import cubin_dump
-    compiled = build_sm90(variant)
-    ops, registers, spills, _ = loop_sass(compiled.asm["cubin"])
-    weights = 128 * (16 if variant.unroll else 1)
-    return {"variant": variant, "registers": registers, "spills": spills,
-            "barriers": cubin_dump(compiled.asm["cubin"])[0].count("BAR.SYNC"), "ops": ops,
-            "instructions_per_weight": sum(ops.values()) / weights}
+    sass, usage = cubin_dump(build_sm90(variant).asm["cubin"])
+    line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"
+    ins = [(int(a, 16), op) for a, op in re.findall(line + r"([A-Z][\w.]*)", sass)]
+    mma = [a for a, op in ins if op.startswith("QGMMA")]
+    back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", sass)
+            if int(t, 16) <= mma[0] and int(a, 16) >= mma[-1]]
+    lo, hi = min(back, key=lambda b: b[1] - b[0])
+    ops = collections.Counter(op.split(".")[0] for a, op in ins if lo <= a <= hi)
+    return {"variant": variant, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "spills": int(re.search(r"STACK:(\d+)", usage).group(1)), "loop_ops": dict(ops.most_common()),
+            "instructions_per_weight": sum(ops.values()) / 128}
 
 
 def check(hidden: int = 4096, inter: int = 2048, experts: int = 16, tokens: int = 2, k: int = 6,
@@ -350,7 +337,7 @@ def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts:
     tiled = tile_codes(w13c) if any(v.tiled for v in variants) else None
     per_expert = 2 * w2_moe.expert_bytes(hidden, inter) // 3
     rows = []
-    names = ["mma"] + [f"p{v.prefetch}{' chain' if v.chain else ''}{' unroll' if v.unroll else ''}{' tiled' if v.tiled else ''}"
+    names = ["mma"] + [f"p{v.prefetch}{' tiled' if v.tiled else ''}"
                        for v in variants]
     print(" ".join(f"{c:>13s}" for c in ["N"] + names + ["best x mma"]), flush=True)
     for n in tokens:
