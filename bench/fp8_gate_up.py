@@ -172,8 +172,7 @@ if HAVE_TRITON:
             _UNPACK_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c4, l4],
             dtype=(gl.float8e4nv, gl.float8e4nv, gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4)
         j = gl.join(gl.join(o0, o1), gl.join(o2, o3))          # [m, word, b, h, half]
-        j = gl.reshape(j, [128, 4, 4, 4, 2, 2])                  # [m, t, i, b, h, half]
-        j = gl.reshape(j, [128, 4, 2, 2, 4, 2, 2])               # [m, t, i_hi, i_lo, b, h, half]
+        j = gl.reshape(j, [128, 4, 2, 2, 4, 2, 2])               # [m, t, i_hi, i_lo, b, h, half]: word 4t + i
         a = gl.reshape(gl.permute(j, (0, 3, 5, 6, 1, 4, 2)), [128, 128, 2])
         a0, a1 = gl.split(a)                                      # K halves: i_hi = 0, 1
         return gl.convert_layout(a0, _DOT, assert_trivial=True), gl.convert_layout(a1, _DOT, assert_trivial=True)
@@ -202,7 +201,8 @@ if HAVE_TRITON:
         mg = gl.arange(0, 128, layout=gl.SliceLayout(1, _LG))
         grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
         rowg = (mg // 64) * I + rb * 64 + mg % 64
-        s_ptrs = ws_ptr + e * s_expert_stride + gl.expand_dims(rowg.to(gl.int64) * (HW // 2), 1) + gl.expand_dims(grp, 0)
+        s_ptrs = (ws_ptr + e * s_expert_stride + gl.expand_dims(rowg.to(gl.int64) * (HW // 2), 1)
+                  + gl.expand_dims(grp, 0))
         base = gl.load(rr_ptr + e * r_expert_stride + rowg) - 13
 
         acc = gl.zeros([128, 8], gl.float32, _ACC)
@@ -252,8 +252,8 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13c: torch.Te
             rr: torch.Tensor, limit: float | None, packed: tuple[torch.Tensor, torch.Tensor] | None = None,
             terms: int = 3, variant: Variant = Variant(), out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the probe: h fp32 [N k, I]. w13c/w13s the stacked planes ([E, 2I, H/4] uint8, [E, 2I, H/32];
-    w13c through `tile_codes` for a tiled variant),
-    rr = row_exponents(w13s); packed: pack_x(x) if done already (a bench times the kernel alone)."""
+    w13c through `tile_codes` for a tiled variant), rr = row_exponents(w13s); packed: pack_x(x) if done already
+    (a bench times the kernel alone)."""
     n, hidden = x.shape
     k = ids.shape[1]
     inter = w13c.shape[1] // 2
@@ -276,14 +276,16 @@ def build_sm90(variant: Variant = Variant(), hidden: int = 4096, inter: int = 20
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     fn = _fp8_gate_up_kernel
-    types = (f"tensordesc<fp8e4nv[8, 128],{_XS.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*fp32", "i32", "i32", "i32", "fp32")
+    types = (f"tensordesc<fp8e4nv[8, 128],{_XS.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*fp32",
+             "i32", "i32", "i32", "fp32")
     sig = dict(zip(fn.arg_names, types))
     const = dict(I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=True, PREFETCH=variant.prefetch,
                  TILED=variant.tiled)
     names = fn.arg_names
     src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in const}},
                          constexprs={(names.index(c),): v for c, v in const.items()},
-                         attrs={(names.index(a),): [["tt.divisibility", 16]] for a, ty in sig.items() if ty != "fp32" and not ty.startswith("tensordesc")})
+                         attrs={(names.index(a),): [["tt.divisibility", 16]] for a, ty in sig.items()
+                                if ty != "fp32" and not ty.startswith("tensordesc")})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
 
 
