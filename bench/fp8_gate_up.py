@@ -40,7 +40,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON
+from moebox.ops.triton.runtime import HAVE_TRITON, loop_sass
 
 if HAVE_TRITON:
     from triton.experimental import gluon
@@ -54,21 +54,13 @@ STEP = 256          # K columns a step (16 code words)
 
 class Variant(NamedTuple):
     """How the kernel reads its codes: prefetch depth (K steps ahead, 1 or 2); tiled: stored tile by tile
-    (`tile_codes`), so each warp's K step reads one contiguous KB."""
+    (`w2_moe.tile_codes`), so each warp's K step reads one contiguous KB."""
 
     prefetch: int = 1
     tiled: bool = False
 
 
 VARIANTS = (Variant(), Variant(prefetch=2), Variant(tiled=True), Variant(prefetch=2, tiled=True))
-
-
-def tile_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes uint8 [E, rows, cols/4] -> the same bytes tile by tile: [E, rows/16, cols/256, 16 rows, 64 bytes]
-    (one 16-row x 16-word tile = 1 KB contiguous), viewed [E, rows, cols/4] again."""
-    e, rows, nb = codes.shape
-    t = codes.view(e, rows // 16, 16, nb // 64, 64).permute(0, 1, 3, 2, 4).contiguous()
-    return t.view(e, rows, nb)
 
 
 ROWS = 64           # rows of I a program
@@ -117,21 +109,6 @@ def row_exponents(scales: torch.Tensor) -> torch.Tensor:
     return scales.view(torch.uint8).amax(dim=-1).to(torch.int32)
 
 
-def reference(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13c: torch.Tensor, w13s: torch.Tensor,
-              limit: float) -> torch.Tensor:
-    """h fp32 [N k, I] from the planes in fp32: silu(min(gate, L)) * clamp(up, -L, L) * routing weight."""
-    from moebox.quant.w2 import W2Tensor
-    n, k = ids.shape
-    inter = w13c.shape[1] // 2
-    out = []
-    for p, e in enumerate(ids.reshape(-1).tolist()):
-        w = W2Tensor(w13c[e], w13s[e]).dequantize()
-        gu = w @ x[p // k].float()
-        g, u = gu[:inter].clamp(max=limit), gu[inter:].clamp(-limit, limit)
-        out.append(torch.nn.functional.silu(g) * u * rw.reshape(-1)[p])
-    return torch.stack(out)
-
-
 if HAVE_TRITON:
     # [128 rows, 16 words, 4 bytes]: lane 4g + t, warp w -> rows 16w + g (+8 in a register), words 4t + i
     _L3 = gl.constexpr(gl.DistributedLinearLayout(
@@ -150,6 +127,12 @@ if HAVE_TRITON:
     # x in shared memory, filled by the TMA (so Triton puts no CTA barrier before each step's wgmma, as it does
     # after plain stores); a box row is at most the 128-byte swizzle, so a K step's x is two [8, 128] halves
     _XS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+
+    @gluon.jit
+    def _w13_rows(m, rb, I: gl.constexpr):
+        """Program rows m (0..127) -> rows of the stacked w13 planes: 0-63 gate rows from 64 rb, 64-127 the same
+        up rows."""
+        return (m // 64) * I + rb * 64 + m % 64
 
     @gluon.jit
     def _step_mma(a0, a1, x_smem, u, zero):
@@ -191,7 +174,7 @@ if HAVE_TRITON:
 
         m = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW))
         w = gl.arange(0, 16, layout=gl.SliceLayout(0, _LW))
-        row = (m // 64) * I + rb * 64 + m % 64
+        row = _w13_rows(m, rb, I)
         if TILED:   # tile (row // 16, u) of 256 words at (row // 16 * STEPS + u) * 256, row % 16 at 16 words each
             c_ptrs = (wc_ptr + e * c_expert_stride + gl.expand_dims((row // 16).to(gl.int64) * (16 * HW)
                                                                     + (row % 16) * 16, 1) + gl.expand_dims(w, 0))
@@ -200,7 +183,7 @@ if HAVE_TRITON:
         C_STEP: gl.constexpr = 256 if TILED else 16
         mg = gl.arange(0, 128, layout=gl.SliceLayout(1, _LG))
         grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
-        rowg = (mg // 64) * I + rb * 64 + mg % 64
+        rowg = _w13_rows(mg, rb, I)
         s_ptrs = (ws_ptr + e * s_expert_stride + gl.expand_dims(rowg.to(gl.int64) * (HW // 2), 1)
                   + gl.expand_dims(grp, 0))
         base = gl.load(rr_ptr + e * r_expert_stride + rowg) - 13
@@ -235,7 +218,7 @@ if HAVE_TRITON:
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
         v = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
         ma = gl.arange(0, 128, layout=gl.SliceLayout(1, _ACC))
-        rowa = (ma // 64) * I + rb * 64 + ma % 64
+        rowa = _w13_rows(ma, rb, I)
         ra = gl.load(rr_ptr + e * r_expert_stride + rowa)
         v = v * ((ra - 6) << 23).to(gl.float32, bitcast=True) * gl.load(xe_ptr + tok)
         EP: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 4], [1, 0])
@@ -252,8 +235,8 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13c: torch.Te
             rr: torch.Tensor, limit: float | None, packed: tuple[torch.Tensor, torch.Tensor] | None = None,
             terms: int = 3, variant: Variant = Variant(), out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the probe: h fp32 [N k, I]. w13c/w13s the stacked planes ([E, 2I, H/4] uint8, [E, 2I, H/32];
-    w13c through `tile_codes` for a tiled variant), rr = row_exponents(w13s); packed: pack_x(x) if done already
-    (a bench times the kernel alone)."""
+    w13c through `w2_moe.tile_codes` for a tiled variant), rr = row_exponents(w13s); packed: pack_x(x) if done
+    already (a bench times the kernel alone)."""
     n, hidden = x.shape
     k = ids.shape[1]
     inter = w13c.shape[1] // 2
@@ -272,55 +255,37 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13c: torch.Te
 
 def build_sm90(variant: Variant = Variant(), hidden: int = 4096, inter: int = 2048, k: int = 6, terms: int = 3):
     """The probe built for sm_90 (no GPU needed), specialised as a V4-Flash launch."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _fp8_gate_up_kernel
+    from moebox.ops.triton.runtime import build_sm90 as build
     types = (f"tensordesc<fp8e4nv[8, 128],{_XS.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*fp32",
              "i32", "i32", "i32", "fp32")
-    sig = dict(zip(fn.arg_names, types))
+    sig = dict(zip(_fp8_gate_up_kernel.arg_names, types))
     const = dict(I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=True, PREFETCH=variant.prefetch,
                  TILED=variant.tiled)
-    names = fn.arg_names
-    src = GluonASTSource(fn, {**sig, **{c: "constexpr" for c in const}},
-                         constexprs={(names.index(c),): v for c, v in const.items()},
-                         attrs={(names.index(a),): [["tt.divisibility", 16]] for a, ty in sig.items()
-                                if ty != "fp32" and not ty.startswith("tensordesc")})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    return build(_fp8_gate_up_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8)
 
 
 def sass_report(variant: Variant = Variant()) -> dict:
-    """The sm_90 build: registers, spill stack, and the SASS of the K loop (the shortest backward branch around
-    the wgmmas; the TMA wait's retry loop spans it too): op counts and instructions a weight (a lane handles 2 rows
-    x 64 columns = 128 weights a step)."""
-    import collections
-    import re
-    from moebox.ops.triton.runtime import cubin_dump
-    sass, usage = cubin_dump(build_sm90(variant).asm["cubin"])
-    line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"
-    ins = [(int(a, 16), op) for a, op in re.findall(line + r"([A-Z][\w.]*)", sass)]
-    mma = [a for a, op in ins if op.startswith("QGMMA")]
-    back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", sass)
-            if int(t, 16) <= mma[0] and int(a, 16) >= mma[-1]]
-    lo, hi = min(back, key=lambda b: b[1] - b[0])
-    ops = collections.Counter(op.split(".")[0] for a, op in ins if lo <= a <= hi)
-    return {"variant": variant, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-            "spills": int(re.search(r"STACK:(\d+)", usage).group(1)), "loop_ops": dict(ops.most_common()),
+    """The sm_90 build: registers, spill stack, and the SASS of the K loop (the shortest loop around the wgmmas;
+    the TMA wait's retry loop spans the kernel): op counts and instructions a weight (a lane handles 2 rows x 64
+    columns = 128 weights a step)."""
+    ops, registers, spills, _ = loop_sass(build_sm90(variant).asm["cubin"], around="QGMMA")
+    return {"variant": variant, "registers": registers, "spills": spills, "loop_ops": ops,
             "instructions_per_weight": sum(ops.values()) / 128}
 
 
 def check(hidden: int = 4096, inter: int = 2048, experts: int = 16, tokens: int = 2, k: int = 6,
           limit: float = 10.0, device: str = "cuda", variant: Variant = Variant()) -> float:
-    """Relative error (max |h - ref| / max |ref|) of the probe against the planes' fp32 product on random planes
-    and routing, the output poisoned with NaN first."""
+    """Relative error (max |h - ref| / max |ref|) of the probe against the planes' fp64 product
+    (`bitplane_gate_up.gate_up_reference`) on random planes and routing, the output poisoned with NaN first."""
+    from bench.bitplane_gate_up import gate_up_reference
     from moebox.ops.triton import w2_moe
     w13c, w13s = w2_moe.random_planes(experts, hidden, inter, device=device)[:2]
     ids, rw = w2_moe.random_routing(tokens, experts, k, device=device)
     x = torch.randn((tokens, hidden), device=device)
     out = torch.full((tokens * k, inter), float("nan"), device=device)
-    codes = tile_codes(w13c) if variant.tiled else w13c
+    codes = w2_moe.tile_codes(w13c) if variant.tiled else w13c
     h = gate_up(x, ids, rw, codes, w13s, row_exponents(w13s), limit, variant=variant, out=out)
-    ref = reference(x, ids, rw, w13c, w13s, limit)
+    ref = gate_up_reference(x, ids, rw, *w2_moe._split_w13(w13c, w13s), limit, quantized=False).float()
     return float((h - ref).abs().max() / ref.abs().max())
 
 
@@ -336,7 +301,7 @@ def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts:
     w13c, w13s = w2_moe.random_planes(experts, hidden, inter, device=device)[:2]
     w1c, w1s, w3c, w3s = w2_moe.gate_up_operands(*w2_moe._split_w13(w13c, w13s))
     rr = row_exponents(w13s)
-    tiled = tile_codes(w13c) if any(v.tiled for v in variants) else None
+    tiled = w2_moe.tile_codes(w13c) if any(v.tiled for v in variants) else None
     per_expert = 2 * w2_moe.expert_bytes(hidden, inter) // 3
     rows = []
     names = ["mma"] + [f"p{v.prefetch}{' tiled' if v.tiled else ''}"
@@ -395,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     bench_start()
     print(f"copy bandwidth {copy_bandwidth(torch.device('cuda')):.0f} GB/s")
     for v in VARIANTS:
-        print(f"check {v}: rel. error against the fp32 product {check(variant=v):.2e}", flush=True)
+        print(f"check {v}: rel. error against the planes' fp64 product {check(variant=v):.2e}", flush=True)
     bench(args.tokens)
 
 

@@ -377,9 +377,9 @@ def test_fp8_gate_up_builds_for_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fp8_gate_up_matches_the_fp32_product():
-    """The FP8 probe on the GPU (output poisoned with NaN first) against the planes' fp32 product: within bf16
-    rounding for every variant that waits for its wgmmas (the chained one is known wrong, see `Variant`)."""
+def test_gpu_fp8_gate_up_matches_the_planes_product():
+    """The FP8 probe on the GPU (output poisoned with NaN first) against the planes' fp64 product: within bf16
+    rounding for every variant (each waits for its wgmmas; the module doc names the chained form that was wrong)."""
     from bench.fp8_gate_up import VARIANTS, check
     for variant in VARIANTS:
         assert check(variant=variant) < 2e-3, variant

@@ -402,9 +402,7 @@ def test_gate_up_probe_tiled_addressing_reads_each_rows_codes_from_their_tile() 
         from moebox.ops.triton import w2_moe
         hidden, inter, e, k, n = 512, 256, 3, 2, 2
         w13c, w13s = random_planes(e, hidden, inter, seed=7)[:2]
-        hw = hidden // 16
-        tiled = w13c.view(torch.int32).view(e, 2 * inter // 16, 16, hw // 16, 16).permute(0, 1, 3, 2, 4)
-        tiled = tiled.contiguous().view(e, 2 * inter, hw).view(torch.uint8)
+        tiled = w2_moe.tile_codes(w13c)
         ids, w = random_routing(n, e, k, seed=3)
         x = torch.randn(n, hidden)
         xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))

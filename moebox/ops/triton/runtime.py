@@ -199,10 +199,12 @@ def build_sm90(fn, sig: dict[str, str], const: dict[str, object], aligned: Seque
     """Compile a Triton kernel for sm_90 on any machine with Triton's NVIDIA backend (no GPU needed), specialised
     as a launch would be: `sig` the types of its runtime arguments by name, `const` its constexprs, the
     arguments named in `aligned` marked divisible by 16 (pointers, and integers a launch finds so); `options` as
-    triton.compile takes them (num_warps, num_stages, ...); constexprs left out take their defaults, as at a launch.
-    What the kernels' `sass_report`s build."""
+    triton.compile takes them (num_warps, num_stages, ...); constexprs left out take their defaults, as at a launch;
+    a Gluon kernel builds from its own source class. What the kernels' `sass_report`s build."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     names = fn.arg_names
     const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
              **const}
@@ -224,10 +226,11 @@ def packed_asm_layout(ttgir: str) -> dict[str, list[int]]:
             for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")}
 
 
-def loop_sass(cubin: bytes) -> tuple[dict[str, int], int, int, bool]:
+def loop_sass(cubin: bytes, around: str | None = None) -> tuple[dict[str, int], int, int, bool]:
     """(op counts of the longest loop's body, registers, spill stack bytes, whether there is a loop) of a compiled
     kernel's SASS: what the `--sass` reports compare between tilings on a machine without a GPU. The loop is the
-    longest span closed by a backward branch (the whole kernel when there is none)."""
+    longest span closed by a backward branch (the whole kernel when there is none); with `around` (an opcode),
+    the shortest one that holds every instruction of that opcode (where a wait's retry loop spans the kernel)."""
     import collections
     import re
     sass, usage = cubin_dump(cubin)
@@ -235,7 +238,11 @@ def loop_sass(cubin: bytes) -> tuple[dict[str, int], int, int, bool]:
     ins = [(int(a, 16), op) for a, op in re.findall(line + r"([A-Z][\w.]*)", sass)]
     back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", sass)
             if int(t, 16) < int(a, 16)]
-    lo, hi = max(back, key=lambda b: b[1] - b[0]) if back else (0, ins[-1][0])
+    if around:
+        at = [a for a, op in ins if op.split(".")[0] == around]
+        back = [b for b in back if b[0] <= at[0] and at[-1] <= b[1]]
+    pick = min if around else max
+    lo, hi = pick(back, key=lambda b: b[1] - b[0]) if back else (0, ins[-1][0])
     ops = collections.Counter(op.split(".")[0] for a, op in ins if lo <= a <= hi)
     return (dict(ops.most_common()), int(re.search(r"REG:(\d+)", usage).group(1)),
             int(re.search(r"STACK:(\d+)", usage).group(1)), bool(back))

@@ -953,6 +953,13 @@ def miss_routes(tokens: int, experts: int, k: int, per_expert: int, l2_miss_byte
     return routes, sum(int(torch.unique(ids).numel()) for ids, _ in routes) * per_expert / calls
 
 
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [E, rows, cols/4] -> the same bytes tile by tile, viewed [E, rows, cols/4] again: each 16-row
+    block's K tiles of 16 words (1 KB each) contiguous, the order the probes' TILED modes read."""
+    e, rows, nb = codes.shape
+    return codes.view(e, rows // 16, 16, nb // 64, 64).permute(0, 1, 3, 2, 4).contiguous().view(e, rows, nb)
+
+
 def gate_up_operands(w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
                      w3_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w1/w3 planes -> (w1 codes int32, w1 scales uint8, w3 codes, w3 scales): the views `_gate_up_mma` takes."""
