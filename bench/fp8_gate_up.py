@@ -17,13 +17,16 @@ x = 2^X (x_0 + x_1 + x_2), which sit in the wgmma's N columns (8; one token), so
 Accumulation: each 256-column K step's wgmma starts from zero and is added to an fp32 total (FP8 wgmma keeps
 fewer accumulator bits; the short chains bound that).
 
-Layout. A program (8 warps, two warpgroups) owns 64 rows of I: rows 0-63 of its [128, K] A operand are w1 rows
-(gate), 64-127 the same w3 rows (up). Lane 4g + t of warp w loads words 4t..4t+3 of rows 16w + g and 16w + g + 8
-of each 16-word K step, the production kernels' per-lane load, and that is the wgmma A fragment's lane map. A
+Layout. A program of 8 warps (two warpgroups) owns 64 rows of I: rows 0-63 of its [128, K] A operand are w1 rows
+(gate), 64-127 the same w3 rows (up). A program of 4 warps (`Variant(warps=4)`, one warpgroup) owns 32: A row
+16w + g is gate row 8w + g and A row 16w + g + 8 its up row, so a lane holds both in its accumulator and twice the
+programs share the SMs. Lane 4g + t of warp w loads words 4t..4t+3 of rows 16w + g and 16w + g + 8 of each
+16-word K step, the production kernels' per-lane load, and that is the wgmma A fragment's lane map. A
 word's 16 codes give 4 registers of 4 e4m3 bytes: codes {0,2,4,6}, {8,..,14}, {1,..,7}, {9,..,15}; the K order
 of x is permuted to match (`x_permutation`), so no byte moves. x's terms for the token go to shared memory once
-a program, by the TMA ([32 half steps, 8 rows, 128] e4m3, rows >= T zero): after plain shared-memory stores Triton
-put a CTA barrier before every step's wgmma (docs/benchmarks.md, forty-ninth session).
+a program, by the TMA ([32 half steps, 8 rows, 128] e4m3; rows >= T are the zeros of its out-of-bounds fill, so
+only the T rows are read): after plain shared-memory stores Triton put a CTA barrier before every step's wgmma
+(docs/benchmarks.md, forty-ninth session).
 
 Measured and dropped there (commit 6a0156e has the code): the K loop unrolled (slower), and one accumulator
 chained through all steps with each step's wgmmas left in flight under the next step's unpack (wrong: ptxas lets
@@ -54,16 +57,19 @@ STEP = 256          # K columns a step (16 code words)
 
 class Variant(NamedTuple):
     """How the kernel reads its codes: prefetch depth (K steps ahead, 1 or 2); tiled: stored tile by tile
-    (`w2_moe.tile_codes`), so each warp's K step reads one contiguous KB."""
+    (`w2_moe.tile_codes`), so each warp's K step reads one contiguous KB; pair: two steps' codes loaded together
+    one pair ahead (a row's whole 128-byte line at once where row-major codes give a step half of it)."""
 
     prefetch: int = 1
     tiled: bool = False
+    pair: bool = False
+    warps: int = 8
 
 
-VARIANTS = (Variant(), Variant(prefetch=2), Variant(tiled=True), Variant(prefetch=2, tiled=True))
+VARIANTS = (Variant(), Variant(prefetch=2), Variant(tiled=True), Variant(prefetch=2, tiled=True),
+            Variant(pair=True), Variant(warps=4), Variant(warps=4, pair=True))
 
 
-ROWS = 64           # rows of I a program
 
 # The 16 codes of a word -> 4 registers of 4 e4m3 bytes (operands: $0-$3 out, $4-$7 the word, $8-$11 its
 # group's table; each input comes 4 times, a broadcast). Selector nibble k of a PRMT picks table byte code k.
@@ -88,20 +94,20 @@ def x_permutation() -> torch.Tensor:
 
 
 def pack_x(x: torch.Tensor, terms: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H] -> (xq e4m3 [N, H/256, 2, 8, 128]: K step, half, then rows 0..terms-1 the terms in the permuted
-    K order of the half, the rest 0; 2^X fp32 [N]) with x = 2^X * sum of the terms."""
+    """x [N, H] -> (xq e4m3 [N, H/256, 2, terms, 128]: K step, half, term, the half's columns in the permuted K
+    order; 2^X fp32 [N]) with x = 2^X * sum of the terms."""
     n, hidden = x.shape
     x = x.float()
     amax = x.abs().amax(dim=1).clamp_min(1e-30)
     scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     r = x / scale[:, None]
-    xq = torch.zeros((n, hidden // STEP, 8, STEP), dtype=torch.float8_e4m3fn, device=x.device)
+    xq = torch.empty((n, hidden // STEP, terms, STEP), dtype=torch.float8_e4m3fn, device=x.device)
     perm = x_permutation().to(x.device)
     for tau in range(terms):
         q = r.to(torch.float8_e4m3fn)
         r = r - q.float()
         xq[:, :, tau] = q.view(n, hidden // STEP, STEP)[:, :, perm]
-    return xq.view(n, hidden // STEP, 8, 2, 128).transpose(2, 3).contiguous(), scale
+    return xq.view(n, hidden // STEP, terms, 2, 128).transpose(2, 3).contiguous(), scale
 
 
 def row_exponents(scales: torch.Tensor) -> torch.Tensor:
@@ -110,29 +116,39 @@ def row_exponents(scales: torch.Tensor) -> torch.Tensor:
 
 
 if HAVE_TRITON:
-    # [128 rows, 16 words, 4 bytes]: lane 4g + t, warp w -> rows 16w + g (+8 in a register), words 4t + i
-    _L3 = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [8, 0, 0]],
-        lane_bases=[[0, 4, 0], [0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]], block_bases=[], shape=[128, 16, 4]))
-    _LW = gl.constexpr(gl.SliceLayout(2, _L3))
-    # [128 rows, 8 groups, 2 words]: the same lanes, groups 2t, 2t + 1
-    _LG3 = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 1, 0], [8, 0, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]], block_bases=[], shape=[128, 8, 2]))
-    _LG = gl.constexpr(gl.SliceLayout(2, _LG3))
-    _ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 8, 32]))
-    _DOT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_ACC, k_width=4))
+    def _layouts(warps: int) -> tuple:
+        """The program's layouts for 8 warps (A rows 0-63 gate, 64-127 up) or 4 (A rows 16w + g gate, 16w + g + 8
+        up: both in one lane's registers): (codes [M rows, 16 words, 4 bytes], scales [M, 8 groups, 2 words],
+        accumulator). Lane 4g + t, warp w -> rows 16w + g (+8 in a register), words 4t + i, groups 2t, 2t + 1."""
+        m = 16 * warps
+        wb = [[16 << b, 0, 0] for b in range(warps.bit_length() - 1)]
+        l3 = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [8, 0, 0]],
+            lane_bases=[[0, 4, 0], [0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=wb, block_bases=[], shape=[m, 16, 4])
+        lg3 = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 1, 0], [8, 0, 0]],
+            lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=wb, block_bases=[], shape=[m, 8, 2])
+        acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8, 32])
+        return l3, lg3, acc
+
     # x in shared memory, filled by the TMA (so Triton puts no CTA barrier before each step's wgmma, as it does
-    # after plain stores); a box row is at most the 128-byte swizzle, so a K step's x is two [8, 128] halves
+    # after plain stores); a box row is at most the 128-byte swizzle, so a K step's x is two [8, 128] halves. The
+    # TMA writes [1, 8, 128] boxes of the [., T, 128] terms (_XD) into [1, 8, 128] views of the [8, 128] slices
+    # that the wgmma reads (_XS): the same bytes, as the swizzle acts on the last two dimensions
     _XS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    _XD = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
 
     @gluon.jit
-    def _w13_rows(m, rb, I: gl.constexpr):
-        """Program rows m (0..127) -> rows of the stacked w13 planes: 0-63 gate rows from 64 rb, 64-127 the same
-        up rows."""
-        return (m // 64) * I + rb * 64 + m % 64
+    def _w13_rows(m, rb, I: gl.constexpr, M: gl.constexpr):
+        """Program rows m -> rows of the stacked w13 planes (M // 2 rows of I from rb M // 2). M 128: 0-63 gate,
+        64-127 the same up rows; M 64: 16w + g gate row 8w + g, 16w + g + 8 its up row."""
+        if M == 128:
+            r = (m // 64) * I + rb * 64 + m % 64
+        else:
+            r = ((m // 8) % 2) * I + rb * 32 + (m // 16) * 8 + m % 8
+        return r
 
     @gluon.jit
     def _step_mma(a0, a1, x_smem, u, zero):
@@ -141,55 +157,60 @@ if HAVE_TRITON:
         return warpgroup_mma(a1, x_smem.index(2 * u + 1).permute((1, 0)), d)
 
     @gluon.jit
-    def _unpack(codes, sc, base):
-        """One K step's A operand as two [128, 128] e4m3 halves in the wgmma register layout: the words' tables
+    def _unpack(codes, sc, base, M: gl.constexpr, LW: gl.constexpr, DOT: gl.constexpr):
+        """One K step's A operand as two [M, 128] e4m3 halves in the wgmma register layout: the words' tables
         from their scale bytes, then the unpack (no data moves between lanes or registers: the conversions are
         trivial)."""
         mm = sc.to(gl.int32) - gl.expand_dims(base, 1)
         lut = gl.where(mm >= 1, mm * 0x08080808 + 0x10008090, 0)
-        lutw = gl.reshape(gl.expand_dims(lut, 2).broadcast_to([128, 8, 2]), [128, 16])
-        lutw = gl.convert_layout(lutw, _LW, assert_trivial=True)
-        c4 = gl.expand_dims(codes, 2).broadcast_to([128, 16, 4])
-        l4 = gl.expand_dims(lutw, 2).broadcast_to([128, 16, 4])
+        lutw = gl.reshape(gl.expand_dims(lut, 2).broadcast_to([M, 8, 2]), [M, 16])
+        lutw = gl.convert_layout(lutw, LW, assert_trivial=True)
+        c4 = gl.expand_dims(codes, 2).broadcast_to([M, 16, 4])
+        l4 = gl.expand_dims(lutw, 2).broadcast_to([M, 16, 4])
         o0, o1, o2, o3 = gl.inline_asm_elementwise(
             _UNPACK_ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [c4, l4],
             dtype=(gl.float8e4nv, gl.float8e4nv, gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4)
         j = gl.join(gl.join(o0, o1), gl.join(o2, o3))          # [m, word, b, h, half]
-        j = gl.reshape(j, [128, 4, 2, 2, 4, 2, 2])               # [m, t, i_hi, i_lo, b, h, half]: word 4t + i
-        a = gl.reshape(gl.permute(j, (0, 3, 5, 6, 1, 4, 2)), [128, 128, 2])
+        j = gl.reshape(j, [M, 4, 2, 2, 4, 2, 2])                 # [m, t, i_hi, i_lo, b, h, half]: word 4t + i
+        a = gl.reshape(gl.permute(j, (0, 3, 5, 6, 1, 4, 2)), [M, 128, 2])
         a0, a1 = gl.split(a)                                      # K halves: i_hi = 0, 1
-        return gl.convert_layout(a0, _DOT, assert_trivial=True), gl.convert_layout(a1, _DOT, assert_trivial=True)
+        return gl.convert_layout(a0, DOT, assert_trivial=True), gl.convert_layout(a1, DOT, assert_trivial=True)
 
     @gluon.jit
     def _fp8_gate_up_kernel(x_desc, xe_ptr, ids_ptr, rw_ptr, wc_ptr, ws_ptr, rr_ptr, h_ptr,
                             c_expert_stride, s_expert_stride, r_expert_stride, limit,
                             I: gl.constexpr, HW: gl.constexpr, K: gl.constexpr, T: gl.constexpr,
-                            HAS_LIMIT: gl.constexpr, PREFETCH: gl.constexpr, TILED: gl.constexpr):
+                            HAS_LIMIT: gl.constexpr, PREFETCH: gl.constexpr, TILED: gl.constexpr,
+                            PAIR: gl.constexpr, L3: gl.constexpr, LG3: gl.constexpr, ACC: gl.constexpr):
         STEPS: gl.constexpr = HW // 16
+        M: gl.constexpr = 16 * gl.num_warps()
+        LW: gl.constexpr = gl.SliceLayout(2, L3)
+        LG: gl.constexpr = gl.SliceLayout(2, LG3)
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=4)
 
         p = gl.program_id(0)
         rb = gl.program_id(1)
         tok = p // K
         e = gl.load(ids_ptr + p).to(gl.int64)
 
-        m = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW))
-        w = gl.arange(0, 16, layout=gl.SliceLayout(0, _LW))
-        row = _w13_rows(m, rb, I)
+        m = gl.arange(0, M, layout=gl.SliceLayout(1, LW))
+        w = gl.arange(0, 16, layout=gl.SliceLayout(0, LW))
+        row = _w13_rows(m, rb, I, M)
         if TILED:   # tile (row // 16, u) of 256 words at (row // 16 * STEPS + u) * 256, row % 16 at 16 words each
             c_ptrs = (wc_ptr + e * c_expert_stride + gl.expand_dims((row // 16).to(gl.int64) * (16 * HW)
                                                                     + (row % 16) * 16, 1) + gl.expand_dims(w, 0))
         else:
             c_ptrs = wc_ptr + e * c_expert_stride + gl.expand_dims(row.to(gl.int64) * HW, 1) + gl.expand_dims(w, 0)
         C_STEP: gl.constexpr = 256 if TILED else 16
-        mg = gl.arange(0, 128, layout=gl.SliceLayout(1, _LG))
-        grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
-        rowg = _w13_rows(mg, rb, I)
+        mg = gl.arange(0, M, layout=gl.SliceLayout(1, LG))
+        grp = gl.arange(0, 8, layout=gl.SliceLayout(0, LG))
+        rowg = _w13_rows(mg, rb, I, M)
         s_ptrs = (ws_ptr + e * s_expert_stride + gl.expand_dims(rowg.to(gl.int64) * (HW // 2), 1)
                   + gl.expand_dims(grp, 0))
         base = gl.load(rr_ptr + e * r_expert_stride + rowg) - 13
 
-        acc = gl.zeros([128, 8], gl.float32, _ACC)
-        zero = gl.zeros([128, 8], gl.float32, _ACC)
+        acc = gl.zeros([M, 8], gl.float32, ACC)
+        zero = gl.zeros([M, 8], gl.float32, ACC)
         codes = gl.load(c_ptrs)
         sc = gl.load(s_ptrs)
         # x's terms -> shared memory by the TMA, all steps on one barrier (after the first code loads are issued)
@@ -198,37 +219,53 @@ if HAVE_TRITON:
         mbarrier.init(bar, count=1)
         mbarrier.expect(bar, STEPS * 2048)
         for s in gl.static_range(2 * STEPS):
-            _tma_load(x_desc, [(tok * 2 * STEPS + s) * 8, 0], bar, x_smem.index(s))
+            _tma_load(x_desc, [tok * 2 * STEPS + s, 0, 0], bar, x_smem.index(s).reshape([1, 8, 128]))
         mbarrier.wait(bar, phase=0)
         mbarrier.invalidate(bar)
 
         # each step loads the codes and scales PREFETCH steps ahead before its math (clamped at the last step)
-        if PREFETCH == 2:
-            codes_a, sc_a = gl.load(c_ptrs + C_STEP), gl.load(s_ptrs + 8)
-        for u in range(STEPS):
-            nxt = gl.minimum(u + PREFETCH, STEPS - 1)
-            codes_n, sc_n = gl.load(c_ptrs + nxt * C_STEP), gl.load(s_ptrs + nxt * 8)
-            a0, a1 = _unpack(codes, sc, base)
-            acc = acc + _step_mma(a0, a1, x_smem, u, zero)
+        if PAIR:    # steps 2v, 2v + 1 in hand, pair v + 1 loaded before their math
+            codes_b, sc_b = gl.load(c_ptrs + C_STEP), gl.load(s_ptrs + 8)
+            for v in range(STEPS // 2):
+                nxt = gl.minimum(2 * v + 2, STEPS - 2)
+                codes_n, sc_n = gl.load(c_ptrs + nxt * C_STEP), gl.load(s_ptrs + nxt * 8)
+                codes_nb, sc_nb = gl.load(c_ptrs + (nxt + 1) * C_STEP), gl.load(s_ptrs + (nxt + 1) * 8)
+                a0, a1 = _unpack(codes, sc, base, M, LW, DOT)
+                acc = acc + _step_mma(a0, a1, x_smem, 2 * v, zero)
+                a0, a1 = _unpack(codes_b, sc_b, base, M, LW, DOT)
+                acc = acc + _step_mma(a0, a1, x_smem, 2 * v + 1, zero)
+                codes, sc, codes_b, sc_b = codes_n, sc_n, codes_nb, sc_nb
+        else:
             if PREFETCH == 2:
-                codes, sc, codes_a, sc_a = codes_a, sc_a, codes_n, sc_n
-            else:
-                codes, sc = codes_n, sc_n
+                codes_a, sc_a = gl.load(c_ptrs + C_STEP), gl.load(s_ptrs + 8)
+            for u in range(STEPS):
+                nxt = gl.minimum(u + PREFETCH, STEPS - 1)
+                codes_n, sc_n = gl.load(c_ptrs + nxt * C_STEP), gl.load(s_ptrs + nxt * 8)
+                a0, a1 = _unpack(codes, sc, base, M, LW, DOT)
+                acc = acc + _step_mma(a0, a1, x_smem, u, zero)
+                if PREFETCH == 2:
+                    codes, sc, codes_a, sc_a = codes_a, sc_a, codes_n, sc_n
+                else:
+                    codes, sc = codes_n, sc_n
 
-        n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, ACC))
         v = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
-        ma = gl.arange(0, 128, layout=gl.SliceLayout(1, _ACC))
-        rowa = _w13_rows(ma, rb, I)
+        ma = gl.arange(0, M, layout=gl.SliceLayout(1, ACC))
+        rowa = _w13_rows(ma, rb, I, M)
         ra = gl.load(rr_ptr + e * r_expert_stride + rowa)
         v = v * ((ra - 6) << 23).to(gl.float32, bitcast=True) * gl.load(xe_ptr + tok)
-        EP: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 4], [1, 0])
-        gate, up = gl.split(gl.convert_layout(gl.permute(gl.reshape(v, [2, 64]), (1, 0)), EP))
+        EP: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, gl.num_warps() // 2], [1, 0])
+        if M == 128:    # [up, row] -> [row, up]
+            gu = gl.permute(gl.reshape(v, [2, 64]), (1, 0))
+        else:           # [w, up, g] -> [8w + g, up]
+            gu = gl.reshape(gl.permute(gl.reshape(v, [4, 2, 8]), (0, 2, 1)), [32, 2])
+        gate, up = gl.split(gl.convert_layout(gu, EP))
         if HAS_LIMIT:
             gate = gl.minimum(gate, limit)
             up = gl.minimum(gl.maximum(up, -limit), limit)
         h = gate / (1.0 + gl.exp(-gate)) * up * gl.load(rw_ptr + p)
-        r_out = gl.arange(0, 64, layout=h.type.layout)
-        gl.store(h_ptr + p.to(gl.int64) * I + rb * 64 + r_out, h)
+        r_out = gl.arange(0, M // 2, layout=h.type.layout)
+        gl.store(h_ptr + p.to(gl.int64) * I + rb * (M // 2) + r_out, h)
 
 
 def gate_up(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13c: torch.Tensor, w13s: torch.Tensor,
@@ -244,33 +281,40 @@ def gate_up(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w13c: torch.Te
     wc = w13c.view(torch.int32)
     ws = w13s.view(torch.uint8)
     h = torch.empty((n * k, inter), dtype=torch.float32, device=x.device) if out is None else out
-    x_desc = TensorDescriptor(xq, [xq.numel() // 128, 128], [128, 1], [8, 128], _XS.value)
-    _fp8_gate_up_kernel[(n * k, inter // ROWS)](
+    rows = xq.shape[3]      # the box's rows past the terms are out of bounds: the TMA fills them with zeros
+    x_desc = TensorDescriptor(xq, [xq.numel() // (128 * rows), rows, 128], [128 * rows, 128, 1], [1, 8, 128],
+                              _XD.value)
+    assert not (variant.tiled and variant.warps == 4), "the tiled codes are 16 rows of one matrix a tile"
+    l3, lg3, acc = _layouts(variant.warps)
+    _fp8_gate_up_kernel[(n * k, inter // (8 * variant.warps))](
         x_desc, xe, ids.reshape(-1), rw.reshape(-1).float(), wc, ws, rr, h,
         wc.stride(0), ws.stride(0), rr.stride(0), float(limit) if limit else 0.0,
         I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=bool(limit),
-        PREFETCH=variant.prefetch, TILED=variant.tiled, num_warps=8)
+        PREFETCH=variant.prefetch, TILED=variant.tiled, PAIR=variant.pair, L3=l3, LG3=lg3, ACC=acc,
+        num_warps=variant.warps)
     return h
 
 
 def build_sm90(variant: Variant = Variant(), hidden: int = 4096, inter: int = 2048, k: int = 6, terms: int = 3):
     """The probe built for sm_90 (no GPU needed), specialised as a V4-Flash launch."""
     from moebox.ops.triton.runtime import build_sm90 as build
-    types = (f"tensordesc<fp8e4nv[8, 128],{_XS.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*fp32",
+    types = (f"tensordesc<fp8e4nv[1, 8, 128],{_XD.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*fp32",
              "i32", "i32", "i32", "fp32")
     sig = dict(zip(_fp8_gate_up_kernel.arg_names, types))
     const = dict(I=inter, HW=hidden // 16, K=k, T=terms, HAS_LIMIT=True, PREFETCH=variant.prefetch,
-                 TILED=variant.tiled)
-    return build(_fp8_gate_up_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8)
+                 TILED=variant.tiled, PAIR=variant.pair)
+    const.update(zip(("L3", "LG3", "ACC"), _layouts(variant.warps)))
+    return build(_fp8_gate_up_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"],
+                 num_warps=variant.warps)
 
 
 def sass_report(variant: Variant = Variant()) -> dict:
     """The sm_90 build: registers, spill stack, and the SASS of the K loop (the shortest loop around the wgmmas;
     the TMA wait's retry loop spans the kernel): op counts and instructions a weight (a lane handles 2 rows x 64
-    columns = 128 weights a step)."""
+    columns = 128 weights a step; a pair variant's loop is two steps)."""
     ops, registers, spills, _ = loop_sass(build_sm90(variant).asm["cubin"], around="QGMMA")
     return {"variant": variant, "registers": registers, "spills": spills, "loop_ops": ops,
-            "instructions_per_weight": sum(ops.values()) / 128}
+            "instructions_per_weight": sum(ops.values()) / (256 if variant.pair else 128)}
 
 
 def check(hidden: int = 4096, inter: int = 2048, experts: int = 16, tokens: int = 2, k: int = 6,
@@ -304,8 +348,7 @@ def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts:
     tiled = w2_moe.tile_codes(w13c) if any(v.tiled for v in variants) else None
     per_expert = 2 * w2_moe.expert_bytes(hidden, inter) // 3
     rows = []
-    names = ["mma"] + [f"p{v.prefetch}{' tiled' if v.tiled else ''}"
-                       for v in variants]
+    names = ["mma"] + [f"p{v.prefetch}{' tiled' if v.tiled else ''}{' pair' if v.pair else ''}" for v in variants]
     print(" ".join(f"{c:>13s}" for c in ["N"] + names + ["best x mma"]), flush=True)
     for n in tokens:
         routes, nbytes = w2_moe.miss_routes(n, experts, k, per_expert, l2_miss_bytes, device)
