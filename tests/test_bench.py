@@ -349,43 +349,6 @@ def test_gpu_bitplane_gate_up_matches_reference():
     assert got["finite"] and got["quantized"] < 1e-5 and got["exact"] < 1e-3, got
 
 
-def test_fp8_probe_x_terms_hold_x_in_the_permuted_order():
-    """bench/fp8_gate_up.py's x: the permutation is one of a K step's 256 columns, and the e4m3 terms, put back in
-    column order and scaled, give x to ~2^-12 of its largest element."""
-    from bench.fp8_gate_up import STEP, pack_x, x_permutation
-    perm = x_permutation()
-    assert sorted(perm.tolist()) == list(range(STEP))
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn((3, 1024), generator=g) * torch.rand((3, 1024), generator=g) ** 4
-    xq, scale = pack_x(x)
-    assert xq.shape == (3, 4, 2, 3, 128)
-    terms = xq.float().sum(3).reshape(3, 4, STEP)[:, :, torch.argsort(perm)].reshape(3, 1024)
-    err = (terms * scale[:, None] - x).abs().amax(dim=1) / x.abs().amax(dim=1)
-    assert float(err.max()) < 2 ** -12, err
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-def test_fp8_gate_up_builds_for_sm90():
-    """The FP8 probe's sm_90 build: its layout conversions are trivial (asserted while it compiles), its K loop
-    issues 8 native e4m3 wgmmas a K step with A from registers and no CTA barrier, and nothing spills."""
-    from bench.fp8_gate_up import Variant, sass_report
-    for variant in (Variant(), Variant(prefetch=2, tiled=True), Variant(warps=4, pair=True)):
-        rep = sass_report(variant)
-        steps = 2 if variant.pair else 1
-        assert rep["loop_ops"]["QGMMA"] == 8 * steps and "BAR" not in rep["loop_ops"] and rep["spills"] == 0, rep
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fp8_gate_up_matches_the_planes_product():
-    """The FP8 probe on the GPU (output poisoned with NaN first) against the planes' fp64 product: within bf16
-    rounding for every variant (each waits for its wgmmas; the module doc names the chained form that was wrong)."""
-    from bench.fp8_gate_up import VARIANTS, check
-    for variant in VARIANTS:
-        assert check(variant=variant) < 2e-3, variant
-
-
 _DROP_SCRIPT = """
 import sys
 sys.path.append(sys.argv[1])            # the repository's tests (the tiny model), after the hooked tree

@@ -175,8 +175,10 @@ from moebox.ops.moe import routed_experts
 from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
+from moebox.ops.triton import w2_fp8
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, interpreting,  # noqa: F401
-                                       loop_sass, packed_asm_layout, pdl_args, pdl_start, tl, triton, versions)
+                                       kernel_or_fallback, loop_sass, packed_asm_layout, pdl_args, pdl_start, tl,
+                                       triton, versions)
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,10 @@ class DecodeConfig:
     """Kernel variant and blocks (see the module doc). "mma": gate_split / down_split warps per program, each
     taking every split-th 16-word K tile (powers of two, capped to what the shape divides into); prefetch: how many
     K steps ahead the code/scale loads run (1 or 2); selector_fma: the unpack's upper PRMT selectors moved by an f16x2
-    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`). "fma": ROWS output rows x WORDS
-    code words per program and step, num_warps, num_stages, transpose_x. Shapes the mma kernels do not take run
-    "fma"."""
+    add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`); fp8_gate_up: where
+    `w2_fp8.fp8_gate_up_takes` (sm_90, bf16/fp16 x), gate-up by that module's kernel instead, before the same down
+    kernel. "fma": ROWS output rows x WORDS code words per program and step, num_warps, num_stages, transpose_x.
+    Shapes the mma kernels do not take run "fma"."""
 
     gate_rows: int = 16
     gate_words: int = 32
@@ -201,6 +204,7 @@ class DecodeConfig:
     down_split: int = 8
     prefetch: int = 1
     selector_fma: bool = False
+    fp8_gate_up: bool = True
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
@@ -689,11 +693,18 @@ def _decode_fma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
 
 def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
                 w3c: torch.Tensor, w3s: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor, limit: float | None,
-                out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | None = None) -> None:
+                out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | tuple | None = None) -> None:
     n, hidden = x.shape
-    if xp is None:
-        xp = _pack_x(x, _empty_packed(x))
-    hp = _gate_up_mma(x, xp, ids, rw, w1c, w1s, w3c, w3s, limit, k, cfg)
+    hp = None
+    if cfg.fp8_gate_up and w2_fp8.fp8_gate_up_takes(x, hidden, w1c.shape[1]):   # Hopper: e4m3 into wgmma
+        xq = xp if isinstance(xp, tuple) else w2_fp8.pack_x(x)
+        hp = kernel_or_fallback("fp8 gate-up", "MOEBOX_FP8_GATE_UP",
+                                lambda: w2_fp8.gate_up(*xq, ids, rw, w1c, w1s, w3c, w3s, limit, k, th=2),
+                                lambda: None)
+    if hp is None:
+        if xp is None or isinstance(xp, tuple):
+            xp = _pack_x(x, _empty_packed(x))
+        hp = _gate_up_mma(x, xp, ids, rw, w1c, w1s, w3c, w3s, limit, k, cfg)
     iw, th = hp.shape[2], hp.shape[1]
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hidden // 16)](
@@ -742,12 +753,13 @@ def _pack_x(x: torch.Tensor, xp: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PackedX:
-    """x packed for the mma decode kernels on a side stream (`pack_x_ahead`): `get()` joins it."""
+    """x packed for the mma decode kernels on a side stream (`pack_x_ahead`): `get()` joins it. xp: the pair
+    layout's bf16 terms, or the (e4m3 terms, scales) of `w2_fp8.pack_x` where that gate-up runs."""
 
-    xp: torch.Tensor
+    xp: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     branch: Branch
 
-    def get(self) -> torch.Tensor:
+    def get(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         self.branch.join()
         return self.xp
 
@@ -769,9 +781,10 @@ def pack_x_ahead(x: torch.Tensor, w1_codes: torch.Tensor, w3_codes: torch.Tensor
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _TERMS or not _takes_mma(config, x.shape[1],
                                                                                     w1_codes.shape[1], codes):
         return None
-    xp = _empty_packed(x)
+    fp8 = config.fp8_gate_up and w2_fp8.fp8_gate_up_takes(x, x.shape[1], w1_codes.shape[1])
+    xp = w2_fp8.empty_packed(x) if fp8 else _empty_packed(x)
     with Branch(x, "pack", reads=(x,), purpose="pack") as branch:
-        _pack_x(x, xp)
+        w2_fp8.pack_x(x, xp) if fp8 else _pack_x(x, xp)
     return PackedX(xp, branch)
 
 
@@ -997,9 +1010,11 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
 
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
-    [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p))
-     for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
-    + [("mma g2 d8 p1 selector-fma", MANY_TOKENS_CONFIG), ("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
+    [("fp8 gate-up, mma down d8", DEFAULT_CONFIG), ("fp8 gate-up, mma down d16", BATCH1_CONFIG)]
+    + [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p, fp8_gate_up=False))
+       for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
+    + [("mma g2 d8 p1 selector-fma", replace(MANY_TOKENS_CONFIG, fp8_gate_up=False)),
+       ("fma r16 w32 x^T", DecodeConfig(variant="fma"))])
 
 
 def bench(device: str | torch.device = "cuda", tokens: Sequence[int] = (1, 4, 16), hidden: int = 4096,

@@ -1,0 +1,151 @@
+"""The FP8 gate-up of the routed experts on Hopper (moebox/ops/triton/w2_fp8.py).
+
+- CPU: x's scale exponent at its edges; the torch packing holds x in the permuted K order; the packing kernel in
+  Triton's interpreter (a subprocess); the reader of h's pair layout that the GPU check uses, against the mma
+  gate-up in the interpreter; the Gluon kernel's sm_90 build (Gluon has no interpreter): wgmmas in the loop, no
+  CTA barrier, no spills, the registers that keep its occupancy.
+- GPU (marker `gpu`): the packing kernel bit for bit against torch; every variant's h against the planes' fp64
+  product, poisoned first; the decode path takes the kernel on sm_90 (the decode tests of test_triton_w2.py then
+  run it at every shape they check).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+
+import pytest
+import torch
+
+from moebox.ops.triton import w2_fp8
+from tests.interpreter import run_in_interpreter
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                                reason="needs an sm_90 GPU (wgmma)")
+
+
+def _x(rows: int, hidden: int, seed: int = 0) -> torch.Tensor:
+    """Rows of widely spread magnitudes (a heavy tail of small elements), bf16."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((rows, hidden), generator=g) * torch.rand((rows, hidden), generator=g) ** 4).bfloat16()
+
+
+def _rebuild(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x from its packed terms, back in column order."""
+    n, steps = xq.shape[:2]
+    terms = xq.float().sum(3).reshape(n, steps, w2_fp8.STEP)[:, :, torch.argsort(w2_fp8.x_permutation())]
+    return terms.reshape(n, -1) * scale[:, None]
+
+
+def test_x_scale_exponent_is_the_least_that_fits_448() -> None:
+    """amax <= 448 * 2^X < 2 amax, exactly at the edges (448 * 2^k itself, one ulp above, powers of two)."""
+    edges = torch.tensor([448.0, 448.0 * 2 ** -20, 448.0 * 2 ** 30, 1.0, 2.0 ** -100, 3.0e38])
+    above = torch.nextafter(edges, torch.full_like(edges, float("inf")))
+    amax = torch.cat([edges, above, torch.rand(1000) * 10.0 ** torch.randint(-30, 30, (1000,)).float()])
+    x = w2_fp8.x_scale_exponent(amax).double()
+    assert (amax.double() <= 448 * 2 ** x).all() and (448 * 2 ** (x - 1) < amax.double()).all()
+    assert w2_fp8.x_scale_exponent(torch.zeros(1)).item() == -126
+
+
+def test_packed_terms_hold_x_in_the_permuted_order() -> None:
+    """The torch packing: the permutation is one of a step's 256 columns, and the 3 e4m3 terms, put back in
+    column order and scaled, give x to ~2^-12 of its largest element."""
+    assert sorted(w2_fp8.x_permutation().tolist()) == list(range(w2_fp8.STEP))
+    x = _x(3, 1024)
+    xq, scale = w2_fp8.pack_x_reference(x)
+    assert xq.shape == (3, 4, 2, 3, 128) and xq.dtype == torch.float8_e4m3fn
+    err = (_rebuild(xq, scale) - x.float()).abs().amax(dim=1) / x.float().abs().amax(dim=1)
+    assert float(err.max()) < 2 ** -12, err
+
+
+@pytest.mark.slow
+@needs_triton
+def test_pack_kernel_in_the_interpreter() -> None:
+    """The packing kernel: the reference's scales exactly, terms that rebuild x as closely (the interpreter's
+    e4m3 rounding is not the GPU's, so the terms themselves are compared on the GPU), zeros for a row of zeros."""
+    out = run_in_interpreter(textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        import torch
+        from moebox.ops.triton import w2_fp8
+        from tests.test_triton_w2_fp8 import _rebuild, _x
+        x = _x(3, 1024)
+        x[2] = 0
+        xq, scale = w2_fp8.pack_x(x)
+        ref_q, ref_scale = w2_fp8.pack_x_reference(x)
+        err = (_rebuild(xq, scale) - x.float()).abs().amax(dim=1) / x.float().abs().amax(dim=1).clamp_min(1e-30)
+        print("RESULT " + json.dumps({"scales": torch.equal(scale, ref_scale), "err": err[:2].tolist(),
+                                      "zero": not xq[2].float().any().item()}))
+        """))
+    got = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+    assert got["scales"] and got["zero"] and max(got["err"]) < 2 ** -12, got
+
+
+@pytest.mark.slow
+@needs_triton
+def test_h_reader_inverts_the_pair_layout_of_the_mma_gate_up() -> None:
+    """bench.fp8_gate_up.h_from_terms (how the GPU check reads the FP8 kernel's h) on the mma gate-up's h, which
+    writes the same layout, in the interpreter: it gives that kernel's h against the planes' fp64 product."""
+    out = run_in_interpreter(textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        import torch
+        from bench.bitplane_gate_up import gate_up_reference
+        from bench.fp8_gate_up import h_from_terms
+        from moebox.ops.triton import w2_moe
+        hidden, inter, experts, k, n = 256, 512, 4, 2, 2
+        w13c, w13s = w2_moe.random_planes(experts, hidden, inter, seed=3)[:2]
+        planes = w2_moe._split_w13(w13c, w13s)
+        ids, rw = w2_moe.random_routing(n, experts, k, seed=3)
+        x = torch.randn((n, hidden))
+        xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
+        hp = w2_moe._gate_up_mma(x, xp, ids.reshape(-1), rw.reshape(-1).float(), *w2_moe.gate_up_operands(*planes),
+                                 10.0, k, w2_moe.DEFAULT_CONFIG)
+        ref = gate_up_reference(x, ids, rw, *planes, 10.0, quantized=False).float()
+        print("RESULT " + json.dumps(float((h_from_terms(hp, inter) - ref).abs().max() / ref.abs().max())))
+        """))
+    assert json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not w2_fp8.HAVE_GLUON, reason="needs triton with Gluon")
+def test_fp8_gate_up_builds_for_sm90() -> None:
+    """The sm_90 build: its layout conversions are trivial (asserted while it compiles), its K loop issues 8
+    native e4m3 wgmmas a K step with A from registers and no CTA barrier, nothing spills, and with Triton 3.6 (the
+    GPU image's) the default keeps to <= 80 registers: a row's R computed before the x wait took it to 127, a third
+    fewer warps an SM (Triton 3.9 builds the same source with ~50% more registers either way)."""
+    import triton
+    for variant in (w2_fp8.DEFAULT_VARIANT, w2_fp8.Variant(pair=False, prefetch=2, tiled=True)):
+        rep = w2_fp8.sass_report(variant)
+        steps = 2 if variant.pair else 1
+        assert rep["loop_ops"]["QGMMA"] == 8 * steps and "BAR" not in rep["loop_ops"] and rep["spills"] == 0, rep
+    assert w2_fp8.sass_report()["registers"] <= (80 if triton.__version__.startswith("3.6") else 128)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_pack_kernel_matches_torch_bit_for_bit() -> None:
+    x = _x(5, 4096).cuda()
+    x[3] = 0
+    got, ref = w2_fp8.pack_x(x), w2_fp8.pack_x_reference(x)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[0].view(torch.uint8), ref[0].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fp8_gate_up_matches_the_planes_product() -> None:
+    """Every variant of bench/fp8_gate_up.py (h poisoned with NaN first) against the planes' fp64 product: within
+    bf16 rounding."""
+    from bench.fp8_gate_up import VARIANTS, check
+    for variant in VARIANTS:
+        assert check(variant) < 2e-3, variant
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_decode_takes_the_fp8_gate_up_for_bf16_not_fp32() -> None:
+    x = torch.zeros((1, 4096), device="cuda")
+    assert w2_fp8.fp8_gate_up_takes(x.bfloat16(), 4096, 2048) and not w2_fp8.fp8_gate_up_takes(x, 4096, 2048)
