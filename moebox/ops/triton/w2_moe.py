@@ -20,7 +20,9 @@ GHz) = ~6e12 weights/s = ~35% of the copy rate; (2) no prefetch: Triton (3.6 and
 loads that feed tl.dot, so each K step waited for its own loads; (3) at N=1 the down kernel had 256 programs
 of 4 warps (2 warps per SM scheduler), far too few bytes in flight.
 
-Variant "mma": tensor cores on bf16 operands dequantized in registers, three launches.
+Variant "mma": tensor cores on bf16 operands dequantized in registers, three launches. On sm_90 with bf16/fp16 x
+the gate-up is `w2_fp8`'s instead (e4m3 weights into wgmma; `DecodeConfig.fp8_gate_up`, MOEBOX_FP8_GATE_UP=0 turns
+it off): x is packed in that kernel's form, and the down kernel is the same.
   `_pack_x_kernel` writes x as T bf16 "terms" (T = 1 for bf16 x, 2 for fp16, 3 for fp32: x = sum of the
   terms, exact for bf16/fp16, ~2^-24 relative for fp32) in the pair layout below. `_gate_up_mma_kernel`,
   grid (N*k pairs, I/16): one program = one pair and 16 rows of I (w1 and w3), its S warps (gate_split)
