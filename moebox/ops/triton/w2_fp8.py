@@ -59,6 +59,7 @@ if HAVE_TRITON:
 STEP = 256          # K columns a step (16 code words)
 TERMS = 3           # e4m3 terms of x
 ROWS = 64           # rows of I a program
+PACK_BLOCK = 512    # columns a program of `pack_x`
 
 
 class Variant(NamedTuple):
@@ -131,17 +132,23 @@ if HAVE_TRITON:
     from moebox.ops.triton.runtime import pdl_start
 
     @triton.jit
-    def _pack_x_kernel(x_ptr, xq_ptr, xe_ptr, x_row_stride, H: tl.constexpr, T: tl.constexpr, PDL: tl.constexpr):
-        """One token a program: x's row -> its scale 2^X (`x_scale_exponent`) and T e4m3 terms in the permuted
-        K order (`x_permutation`, inverted: column c of a step goes to kk)."""
+    def _pack_x_kernel(x_ptr, xq_ptr, xe_ptr, x_row_stride, H: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+        """Program (token, block of BLOCK columns): the token's scale 2^X (`x_scale_exponent`, from the whole row,
+        which every program of the token reads: one launch, no second pass) and its block's T e4m3 terms in the
+        permuted K order (`x_permutation`, inverted: column c of a step goes to kk)."""
         pdl_start(PDL)
         n = tl.program_id(0)
-        c = tl.arange(0, H)
-        v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + c).to(tl.float32)
-        bits = tl.max(tl.abs(v), axis=0).to(tl.int32, bitcast=True)
+        row = x_ptr + n.to(tl.int64) * x_row_stride
+        amax = tl.max(tl.abs(tl.load(row + tl.arange(0, BLOCK)).to(tl.float32)), axis=0)
+        for c0 in tl.static_range(BLOCK, H, BLOCK):
+            amax = tl.maximum(amax, tl.max(tl.abs(tl.load(row + c0 + tl.arange(0, BLOCK)).to(tl.float32)), axis=0))
+        bits = amax.to(tl.int32, bitcast=True)
         ex = tl.maximum(((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
-        tl.store(xe_ptr + n, ((ex + 127) << 23).to(tl.float32, bitcast=True))
-        r = v * ((127 - ex) << 23).to(tl.float32, bitcast=True)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        if tl.program_id(1) == 0:
+            tl.store(xe_ptr + n, ((ex + 127) << 23).to(tl.float32, bitcast=True))
+        r = tl.load(row + c).to(tl.float32) * ((127 - ex) << 23).to(tl.float32, bitcast=True)
         col = c % 256
         word, wo = col // 16, col % 16
         kk = 64 * (word % 4) + 32 * (wo // 8) + 16 * (wo % 2) + 4 * (word // 4) + (wo % 8) // 2
@@ -154,10 +161,12 @@ if HAVE_TRITON:
 
 def pack_x(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H] (unit column stride) -> (xq, 2^X) as `pack_x_reference` gives them, one launch."""
+    """x [N, H] (unit column stride, H a multiple of 512) -> (xq, 2^X) as `pack_x_reference` gives them, one
+    launch of H / 512 programs a token."""
     n, hidden = x.shape
     xq, xe = out if out is not None else empty_packed(x)
-    _pack_x_kernel[(n,)](x, xq, xe, x.stride(0), H=hidden, T=TERMS, num_warps=4, **pdl_args(x, _pack_x_kernel))
+    _pack_x_kernel[(n, hidden // PACK_BLOCK)](x, xq, xe, x.stride(0), H=hidden, T=TERMS, BLOCK=PACK_BLOCK,
+                                              num_warps=4, **pdl_args(x, _pack_x_kernel))
     return xq, xe
 
 
@@ -288,9 +297,13 @@ if HAVE_GLUON:
         # R of each row: the largest of its 128 scale bytes, one line, which the first steps' scale loads have
         # asked for already. Here, after the wait: computed before it, the build took 127 registers, not 70
         mr = gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))
-        gr = gl.arange(0, 128, layout=gl.SliceLayout(0, _LR))
-        wr = gl.where(mr < 64, w1s_ptr, w3s_ptr) + e * s_expert_stride + (rb * 64 + mr % 64) * (HW // 2)
-        r_row = gl.max(gl.load(gl.expand_dims(wr, 1) + gl.expand_dims(gr, 0)).to(gl.int32), axis=1)
+        gr = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _LR)), 0)
+        wr = gl.expand_dims(gl.where(mr < 64, w1s_ptr, w3s_ptr) + e * s_expert_stride + (rb * 64 + mr % 64) * (HW // 2),
+                            1)
+        sr = gl.load(wr + gr, mask=gr < HW // 2, other=0)
+        for g0 in gl.static_range(128, HW // 2, 128):     # rows longer than 128 groups (H > 4096)
+            sr = gl.maximum(sr, gl.load(wr + g0 + gr, mask=g0 + gr < HW // 2, other=0))
+        r_row = gl.max(sr.to(gl.int32), axis=1)
         base = gl.convert_layout(r_row, gl.SliceLayout(1, _LG), assert_trivial=True) - 13
 
         acc = gl.zeros([128, 8], gl.float32, _ACC)
