@@ -118,7 +118,8 @@ def test_fp8_gate_up_builds_for_sm90() -> None:
     GPU image's) the default keeps to <= 80 registers: a row's R computed before the x wait took it to 127, a third
     fewer warps an SM (Triton 3.9 builds the same source with ~50% more registers either way)."""
     import triton
-    for variant in (w2_fp8.DEFAULT_VARIANT, w2_fp8.Variant(pair=False, prefetch=2, tiled=True)):
+    for variant in (w2_fp8.DEFAULT_VARIANT, w2_fp8.ONE_TOKEN_VARIANT,
+                    w2_fp8.Variant(pair=False, prefetch=2, tiled=True)):
         rep = w2_fp8.sass_report(variant)
         steps = 2 if variant.pair else 1
         assert rep["loop_ops"]["QGMMA"] == 8 * steps and "BAR" not in rep["loop_ops"] and rep["spills"] == 0, rep
