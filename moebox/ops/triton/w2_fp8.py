@@ -82,14 +82,16 @@ def variant_for(tokens: int) -> Variant:
     return ONE_TOKEN_VARIANT if tokens == 1 else DEFAULT_VARIANT
 
 
-def fp8_gate_up_takes(x: torch.Tensor, hidden: int, inter: int) -> bool:
-    """Whether the decode gate-up takes this kernel: a bf16/fp16 x on an sm_90 GPU (wgmma), Gluon present, H a
-    multiple of two K steps and I of a program's rows, and MOEBOX_FP8_GATE_UP not 0. fp32 x keeps the mma kernel,
-    whose bf16 terms hold it to 2^-24 (3 e4m3 terms to ~2^-12)."""
-    return (HAVE_GLUON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hidden % (2 * STEP) == 0
+def fp8_gate_up_takes(x: torch.Tensor, hidden: int, inter: int, wanted: bool = True) -> bool:
+    """Whether the decode gate-up takes this kernel: `wanted` (the call's `DecodeConfig.fp8_gate_up`) unless
+    MOEBOX_FP8_GATE_UP says 0 (never) or 1 (at every token count), a bf16/fp16 x on an sm_90 GPU (wgmma), Gluon
+    present, H a multiple of two K steps and I of a program's rows. fp32 x keeps the mma kernel, whose bf16 terms
+    hold it to 2^-24 (3 e4m3 terms to ~2^-12)."""
+    switch = os.environ.get("MOEBOX_FP8_GATE_UP")
+    return ((wanted if switch is None else switch != "0") and HAVE_GLUON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hidden % (2 * STEP) == 0
             and inter % ROWS == 0 and _sm90(x.device.index if x.device.index is not None
                                             else torch.cuda.current_device())
-            and os.environ.get("MOEBOX_FP8_GATE_UP", "1") != "0")
+)
 
 
 @functools.lru_cache(maxsize=None)

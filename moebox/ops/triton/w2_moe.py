@@ -21,8 +21,9 @@ loads that feed tl.dot, so each K step waited for its own loads; (3) at N=1 the 
 of 4 warps (2 warps per SM scheduler), far too few bytes in flight.
 
 Variant "mma": tensor cores on bf16 operands dequantized in registers, three launches. On sm_90 with bf16/fp16 x
-the gate-up is `w2_fp8`'s instead (e4m3 weights into wgmma; `DecodeConfig.fp8_gate_up`, MOEBOX_FP8_GATE_UP=0 turns
-it off): x is packed in that kernel's form, and the down kernel is the same.
+the gate-up is `w2_fp8`'s instead from 2 tokens (e4m3 weights into wgmma; `DecodeConfig.fp8_gate_up`;
+MOEBOX_FP8_GATE_UP=0 / 1: never / at every token count): x is packed in that kernel's form, the down kernel is the
+same.
   `_pack_x_kernel` writes x as T bf16 "terms" (T = 1 for bf16 x, 2 for fp16, 3 for fp32: x = sum of the
   terms, exact for bf16/fp16, ~2^-24 relative for fp32) in the pair layout below. `_gate_up_mma_kernel`,
   grid (N*k pairs, I/16): one program = one pair and 16 rows of I (w1 and w3), its S warps (gate_split)
@@ -216,8 +217,9 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()
-# one token: 16 warps a down program (256 programs; the sixteenth session's sweep: 27.7 against 30.0 us a call)
-BATCH1_CONFIG = replace(DEFAULT_CONFIG, down_split=16)
+# one token: 16 warps a down program (256 programs; the sixteenth session's sweep: 27.7 against 30.0 us a call);
+# the mma gate-up: with the FP8 one a 36-layer batch-1 decode step took 4.78 against 4.69 ms (fiftieth session, H100)
+BATCH1_CONFIG = replace(DEFAULT_CONFIG, down_split=16, fp8_gate_up=False)
 # 4+ tokens, where the integer ALU pipe binds the kernels: the selectors' FMA-pipe move gained 1-5% there; at 1-2
 # tokens, where latency binds, it lost with the tilings those take (twenty-fourth session)
 MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
@@ -698,7 +700,7 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
                 out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | tuple | None = None) -> None:
     n, hidden = x.shape
     hp = None
-    if cfg.fp8_gate_up and w2_fp8.fp8_gate_up_takes(x, hidden, w1c.shape[1]):   # Hopper: e4m3 into wgmma
+    if w2_fp8.fp8_gate_up_takes(x, hidden, w1c.shape[1], cfg.fp8_gate_up):   # Hopper: e4m3 into wgmma
         xq = xp if isinstance(xp, tuple) else w2_fp8.pack_x(x)
         hp = kernel_or_fallback("fp8 gate-up", "MOEBOX_FP8_GATE_UP",
                                 lambda: w2_fp8.gate_up(*xq, ids, rw, w1c, w1s, w3c, w3s, limit, k, th=2),
@@ -773,17 +775,19 @@ def _takes_mma(config: DecodeConfig, hidden: int, inter: int, codes: Sequence[to
 
 
 def pack_x_ahead(x: torch.Tensor, w1_codes: torch.Tensor, w3_codes: torch.Tensor, w2_codes: torch.Tensor,
-                 config: DecodeConfig = DEFAULT_CONFIG) -> PackedX | None:
+                 config: DecodeConfig | None = None) -> PackedX | None:
     """Start packing x for `w2_moe_decode_split(..., packed=)` on a side stream (the "pack" Branch), so that
     the packing runs beside the router's product and the routing, which come before the experts at decode:
     one launch fewer on the main stream (a layer's `_pack_x_kernel`, ~1.6 us at batch 1). The buffer is
     allocated on the main stream, which reads it after the join. None where the mma kernels do not take these
     planes (nothing to pack)."""
     codes = [c.view(torch.int32) for c in (w1_codes, w3_codes, w2_codes)]
-    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _TERMS or not _takes_mma(config, x.shape[1],
-                                                                                    w1_codes.shape[1], codes):
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in _TERMS:
         return None
-    fp8 = config.fp8_gate_up and w2_fp8.fp8_gate_up_takes(x, x.shape[1], w1_codes.shape[1])
+    config = config or default_config(x.shape[0])     # the call's, so that x is packed in the form it reads
+    if not _takes_mma(config, x.shape[1], w1_codes.shape[1], codes):
+        return None
+    fp8 = w2_fp8.fp8_gate_up_takes(x, x.shape[1], w1_codes.shape[1], config.fp8_gate_up)
     xp = w2_fp8.empty_packed(x) if fp8 else _empty_packed(x)
     with Branch(x, "pack", reads=(x,), purpose="pack") as branch:
         w2_fp8.pack_x(x, xp) if fp8 else _pack_x(x, xp)
@@ -1012,7 +1016,8 @@ def sass_report(kernel: str, split: int, prefetch: int = 2, selector_fma: bool =
 
 # ----------------------------------------------------------------------------------------------- bench
 SWEEP: tuple[tuple[str, DecodeConfig], ...] = tuple(
-    [("fp8 gate-up, mma down d8", DEFAULT_CONFIG), ("fp8 gate-up, mma down d16", BATCH1_CONFIG)]
+    [("fp8 gate-up, mma down d8", DEFAULT_CONFIG),
+     ("fp8 gate-up, mma down d16", replace(BATCH1_CONFIG, fp8_gate_up=True))]
     + [(f"mma g{g} d{d} p{p}", DecodeConfig(gate_split=g, down_split=d, prefetch=p, fp8_gate_up=False))
        for g, d, p in ((2, 8, 1), (2, 16, 1), (2, 8, 2), (4, 8, 1), (2, 4, 1))]
     + [("mma g2 d8 p1 selector-fma", replace(MANY_TOKENS_CONFIG, fp8_gate_up=False)),
