@@ -61,7 +61,7 @@ def check(variant: Variant, hidden: int = 4096, inter: int = 2048, experts: int 
 
 
 def h_from_terms(hp: torch.Tensor, inter: int) -> torch.Tensor:
-    """h fp32 [N k, I] from its bf16 terms in the down kernel's pair layout (`w2_moe._pair_slot`, module doc:
+    """h fp32 [N k, I] from its bf16 terms in the down kernel's pair layout (`pair_layout._column_slot`, in torch:
     in each tile of 16 words, word 4t + i, pair 4 rho + jj at slot 32 i + 16 rho + 4 t + jj; pair j of a word
     holds its columns (j & 3) + 8 (j >> 2) and that + 4)."""
     i = torch.arange(inter, device=hp.device)

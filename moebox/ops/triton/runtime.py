@@ -42,6 +42,12 @@ def num_sms(device: torch.device) -> int:
     return _properties(_index(device)).multi_processor_count
 
 
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's (major, minor), from its properties read once."""
+    props = _properties(_index(device))
+    return props.major, props.minor
+
+
 def interpreting() -> bool:
     """Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -34,13 +34,11 @@ unpack (wrong: ptxas let the unpack overwrite A registers still being read); 4-w
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import NamedTuple
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, pdl_args
+from moebox.ops.triton.runtime import HAVE_TRITON, compute_capability, kernel_switched_on, pdl_args
 
 try:    # Gluon (Triton >= 3.5) with Hopper's TMA and wgmma
     from triton.experimental import gluon
@@ -87,16 +85,9 @@ def fp8_gate_up_takes(x: torch.Tensor, hidden: int, inter: int, wanted: bool = T
     MOEBOX_FP8_GATE_UP says 0 (never) or 1 (at every token count), a bf16/fp16 x on an sm_90 GPU (wgmma), Gluon
     present, H a multiple of two K steps and I of a program's rows. fp32 x keeps the mma kernel, whose bf16 terms
     hold it to 2^-24 (3 e4m3 terms to ~2^-12)."""
-    switch = os.environ.get("MOEBOX_FP8_GATE_UP")
-    return ((wanted if switch is None else switch != "0") and HAVE_GLUON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hidden % (2 * STEP) == 0
-            and inter % ROWS == 0 and _sm90(x.device.index if x.device.index is not None
-                                            else torch.cuda.current_device())
-)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return (HAVE_GLUON and x.is_cuda and kernel_switched_on(x, "MOEBOX_FP8_GATE_UP", wanted)
+            and x.dtype in (torch.bfloat16, torch.float16) and hidden % (2 * STEP) == 0 and inter % ROWS == 0
+            and compute_capability(x.device) == (9, 0))
 
 
 def x_permutation() -> torch.Tensor:
@@ -138,6 +129,7 @@ def empty_packed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 if HAVE_TRITON:
+    from moebox.ops.triton.pair_layout import _column_slot, _store_bf16_terms
     from moebox.ops.triton.runtime import pdl_start
 
     @triton.jit
@@ -256,15 +248,6 @@ if HAVE_GLUON:
         return acc + _step_mma(a0, a1, x_smem, u, zero)
 
     @gluon.jit
-    def _h_slot(i):
-        """int16 slot of h row i in one term of the down kernel's pair layout (`w2_moe._pair_slot`: word i // 16,
-        pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1 of column c = i % 16)."""
-        wd, c = i // 16, i % 16
-        j = (c & 3) + 4 * (c >> 3)
-        wl = wd % 16
-        return 2 * ((wd // 16) * 128 + 32 * (wl % 4) + 4 * (wl // 4) + 16 * (j // 4) + j % 4) + ((c >> 2) & 1)
-
-    @gluon.jit
     def _fp8_gate_up_kernel(x_desc, xe_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: gl.constexpr, HW: gl.constexpr, K: gl.constexpr, T: gl.constexpr, TH: gl.constexpr,
@@ -294,7 +277,8 @@ if HAVE_GLUON:
         s_ptrs = gl.expand_dims(ws, 1) + gl.expand_dims(grp, 0)
 
         codes, sc = _load_step(c_ptrs, s_ptrs, 0, C_STEP)
-        codes_b, sc_b = _load_step(c_ptrs, s_ptrs, 1, C_STEP)
+        if PAIR or PREFETCH == 2:
+            codes_b, sc_b = _load_step(c_ptrs, s_ptrs, 1, C_STEP)
         # x's terms -> shared memory by the TMA, all steps on one barrier (after the first code loads are issued)
         x_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * STEPS, 8, 128], _XS)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -352,13 +336,8 @@ if HAVE_GLUON:
             gate = gl.minimum(gate, limit)
             up = gl.minimum(gl.maximum(up, -limit), limit)
         h = gate / (1.0 + gl.exp(-gate)) * up * gl.load(rw_ptr + p)
-        # h -> TH bf16 terms (round to nearest even), as `w2_moe._store_bf16_terms` writes them
-        dst = hp_ptr + p.to(gl.int64) * (TH * I) + _h_slot(rb * 64 + gl.arange(0, 64, layout=h.type.layout))
-        for tau in gl.static_range(TH):
-            b = h.to(gl.int32, bitcast=True)
-            bits = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-            gl.store(dst + tau * I, bits.to(gl.int16))
-            h = h - (bits << 16).to(gl.float32, bitcast=True)
+        i = rb * 64 + gl.arange(0, 64, layout=h.type.layout)
+        _store_bf16_terms(hp_ptr, p.to(gl.int64) * (TH * I) + _column_slot(i), h, TH, I)
 
 
 def gate_up(xq: torch.Tensor, xe: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor,

@@ -179,6 +179,7 @@ from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
 from moebox.ops.triton import w2_fp8
+from moebox.ops.triton.pair_layout import _column_slot, _pair_offset, _pair_slot, _store_bf16_terms
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, interpreting,  # noqa: F401
                                        kernel_or_fallback, loop_sass, packed_asm_layout, pdl_args, pdl_start, tl,
                                        triton, versions)
@@ -443,19 +444,6 @@ if HAVE_TRITON:
         return out.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _pair_offset(j):
-        """int32 offset of pair j of a word from the word's slot of pair 0 (see `_pair_slot`)."""
-        return 16 * (j // 4) + j % 4
-
-    @triton.jit
-    def _pair_slot(w, j):
-        """int32 slot of pair j (0..7) of word w of x or h in the pair layout: in each K tile of 16 words (128
-        slots), word 4 t + i, pair 4 rho + jj sits at 32 i + 16 rho + 4 t + jj, so the 4 lanes t that load
-        one B-fragment register set (word i, rep rho) read 64 contiguous bytes, one L1 line, not 4."""
-        wl = w % 16
-        return (w // 16) * 128 + 32 * (wl % 4) + 4 * (wl // 4) + _pair_offset(j)
-
-    @triton.jit
     def _b_fragments(xb):
         """The 4 B-fragment registers of a lane for one K step (x or h pairs of its words i = 0..3, at slot
         offset 32 i from xb in the `_pair_slot` layout)."""
@@ -478,17 +466,6 @@ if HAVE_TRITON:
             x_lo += (v << 16).to(tl.float32, bitcast=True)
             x_hi += (v & -65536).to(tl.float32, bitcast=True)
         return tl.sum(v_lo * x_lo + v_hi * x_hi, axis=2)
-
-    @triton.jit
-    def _store_bf16_terms(ptr16, off, v, T: tl.constexpr, TERM_STRIDE):
-        """v fp32 -> T bf16 terms (round to nearest even; v - sum of the terms is below 2^-8T |v|), stored
-        as int16 bit patterns at ptr16 + off + tau * TERM_STRIDE."""
-        r = v
-        for tau in tl.static_range(T):
-            b = r.to(tl.int32, bitcast=True)
-            bits = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-            tl.store(ptr16 + off + tau * TERM_STRIDE, bits.to(tl.int16))
-            r = r - (bits << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _tile_coords(S: tl.constexpr, REPS: tl.constexpr):
@@ -515,10 +492,7 @@ if HAVE_TRITON:
         n = tl.program_id(0)
         k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + n.to(tl.int64) * x_row_stride + k).to(tl.float32)
-        c = k % 16
-        # column c of word k // 16 -> pair (c & 3) + 4 (c >> 3), half (c >> 2) & 1
-        pos = 2 * _pair_slot(k // 16, (c & 3) + 4 * (c >> 3)) + ((c >> 2) & 1)
-        _store_bf16_terms(xp_ptr, n.to(tl.int64) * (T * KW * 16) + pos, v, T, KW * 16)
+        _store_bf16_terms(xp_ptr, n.to(tl.int64) * (T * KW * 16) + _column_slot(k), v, T, KW * 16)
 
     @triton.jit
     def _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, u, LAST: tl.constexpr,
