@@ -5,7 +5,7 @@ use). The kernel's design and math are in its module doc; docs/benchmarks.md (fo
 has the numbers.
 
     python -m bench.fp8_gate_up --sass          # build each variant for sm_90 on any machine, count the loop
-    python -m bench.fp8_gate_up                 # on a GPU: check each variant, then time them
+    python -m bench.fp8_gate_up                 # on a GPU: check each variant and the FP8 down, then time them
 """
 
 from __future__ import annotations
@@ -73,6 +73,47 @@ def h_from_terms(hp: torch.Tensor, inter: int) -> torch.Tensor:
     return bits.view(torch.float32).sum(dim=1)
 
 
+def h_from_e4m3(hq: torch.Tensor, he: torch.Tensor) -> torch.Tensor:
+    """h fp32 [N k, I] from the e4m3 terms and 64-column exponents the FP8 gate-up writes for the FP8 down
+    (`w2_fp8.empty_h`), back in column order."""
+    from moebox.ops.triton.w2_fp8 import STEP, x_permutation
+    pairs, steps = hq.shape[:2]
+    terms = hq.float().sum(3).reshape(pairs, steps, STEP)[:, :, torch.argsort(x_permutation()).to(hq.device)]
+    return terms.reshape(pairs, -1) * torch.exp2(he.float()).repeat_interleave(64, dim=1)
+
+
+def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: int = 16, k: int = 6,
+               limit: float = 10.0) -> tuple[float, float]:
+    """(h's relative error: the FP8 gate-up's e4m3 h against the planes' fp64 product; out's: the FP8 down's output
+    against the fp64 product of w2's planes and that h), on random planes and routing; both outputs are poisoned
+    first (NaN terms, exponents of 2^1000, NaN out) and must come back finite."""
+    from bench.bitplane_gate_up import gate_up_reference
+    from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
+    from moebox.quant.w2 import W2Tensor
+    device = torch.device("cuda")
+    w13c, w13s, w2c, w2s = w2_moe.random_planes(experts, hidden, inter, device=device)
+    planes = w2_moe._split_w13(w13c, w13s)
+    ids, rw = w2_moe.random_routing(tokens, experts, k, device=device)
+    x = torch.randn((tokens, hidden), device=device).to(torch.bfloat16)
+    hq, he = w2_fp8.empty_h(tokens * k, inter, device)
+    hq.view(torch.uint8).fill_(0x7F)
+    he.fill_(1000)
+    flat = ids.reshape(-1).contiguous()
+    w2_fp8.gate_up(*w2_fp8.pack_x(x), flat, rw.reshape(-1).float().contiguous(), *_operands(planes), limit, k, th=2,
+                   fp8_h=True, out=(hq, he))
+    h = h_from_e4m3(hq, he)
+    assert torch.isfinite(h).all(), f"{int((~torch.isfinite(h)).sum())} elements of h not written"
+    ref_h = gate_up_reference(x.float(), ids, rw, *planes, limit, quantized=False)
+    out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
+    w2_fp8_down.down(hq, he, flat, w2c.view(torch.int32), w2s.view(torch.uint8), out, k)
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements of out not written"
+    ref = torch.zeros((tokens, hidden), dtype=torch.float64, device=device)
+    for p, e in enumerate(flat.tolist()):
+        ref[p // k] += W2Tensor(w2c[e], w2s[e]).dequantize(torch.float64) @ h[p].double()
+    return (float((h.double() - ref_h).abs().max() / ref_h.abs().max()),
+            float((out.double() - ref).abs().max() / ref.abs().max()))
+
+
 def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts: int = 256, k: int = 6,
           limit: float = 10.0, l2_miss_bytes: int = 256 << 20, rep: int = 100,
           variants: Sequence[Variant] = VARIANTS) -> list[dict]:
@@ -119,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"copy bandwidth {copy_bandwidth(torch.device('cuda')):.0f} GB/s")
     for v in VARIANTS:
         print(f"check {_name(v)}: rel. error of h against the planes' fp64 product {check(v):.2e}", flush=True)
+    err_h, err_out = check_down()
+    print(f"check down: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 {err_out:.2e}", flush=True)
     bench(args.tokens)
 
 

@@ -38,7 +38,7 @@ def _launches() -> list[tuple[str, ast.Call]]:
 
 # The pointer arguments a kernel reads before its PDL wait: weights only (their loads overlap the kernel before:
 # the matrices, mHC's next fn slice, the router's gate rows).
-# The routed experts' down kernel also reads the expert ids: the routing wrote them before gate-up, the kernel
+# The routed experts' down kernels also read the expert ids: the routing wrote them before gate-up, the kernel
 # between, could start.
 # The decode attention kernel reads q with `query_early`: in CSA layers the indexer's two kernels run after q's
 # product, before it.
@@ -52,6 +52,7 @@ READ_BEFORE_WAIT = {
     "route.py:_route_kernel": {"bias_ptr"},
     "route.py:_router_route_kernel": {"g_ptr", "bias_ptr"},
     "w2_moe.py:_down_mma_kernel": {"w2c_ptr", "w2s_ptr", "ids_ptr"},
+    "w2_fp8_down.py:_fp8_down_kernel": {"w2c_ptr", "w2s_ptr", "ids_ptr"},
 }
 
 
@@ -73,7 +74,7 @@ def _read_before_wait(fn: ast.FunctionDef, helpers: set[str]) -> set[str]:
                 for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
                     deps[name] = reach(node.value) | (deps.get(name, set()) if isinstance(node, ast.AugAssign)
                                                       else set())
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in helpers | {"tl.load"}:
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in helpers | {"tl.load", "gl.load"}:
                 read |= set().union(*(reach(a) for a in [*node.args, *(k.value for k in node.keywords)]))
     return {a for a in read if a.endswith("_ptr")}
 

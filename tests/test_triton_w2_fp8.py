@@ -2,11 +2,12 @@
 
 - CPU: x's scale exponent at its edges; the torch packing holds x in the permuted K order; the packing kernel in
   Triton's interpreter (a subprocess); the reader of h's pair layout that the GPU check uses, against the mma
-  gate-up in the interpreter; the Gluon kernel's sm_90 build (Gluon has no interpreter): wgmmas in the loop, no
-  CTA barrier, no spills, the registers that keep its occupancy.
+  gate-up in the interpreter; the Gluon kernels' sm_90 builds (Gluon has no interpreter), the gate-up's and the
+  FP8 down's (moebox/ops/triton/w2_fp8_down.py): wgmmas in the loop, no CTA barrier, no spills, the registers that
+  keep their occupancy.
 - GPU (marker `gpu`): the packing kernel bit for bit against torch; every variant's h against the planes' fp64
-  product, poisoned first; the decode path takes the kernel on sm_90 (the decode tests of test_triton_w2.py then
-  run it at every shape they check).
+  product, poisoned first; the e4m3 h and the FP8 down's output, poisoned first, against fp64 products; the decode
+  path takes the kernels on sm_90 (the decode tests of test_triton_w2.py then run them at every shape they check).
 """
 
 from __future__ import annotations
@@ -126,6 +127,23 @@ def test_fp8_gate_up_builds_for_sm90() -> None:
     assert w2_fp8.sass_report()["registers"] <= (80 if triton.__version__.startswith("3.6") else 128)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not w2_fp8.HAVE_GLUON, reason="needs triton with Gluon")
+def test_fp8_down_and_its_gate_up_build_for_sm90() -> None:
+    """The FP8 down kernel's sm_90 build: 16 native e4m3 wgmmas in its inner loop (a pair of K steps), no CTA
+    barrier, no spills (Triton 3.9 spilled with the experts' loop not unrolled), and with Triton 3.6 at most 104
+    registers (two programs an SM, as its 96 KB of h allow); the
+    gate-up that writes e4m3 h for it keeps the bf16-h build's loop and registers."""
+    import triton
+    from moebox.ops.triton import w2_fp8_down
+    rep = w2_fp8_down.sass_report()
+    assert rep["loop_ops"]["QGMMA"] == 16 and "BAR" not in rep["loop_ops"] and rep["spills"] == 0, rep
+    assert rep["registers"] <= (104 if triton.__version__.startswith("3.6") else 128), rep
+    rep = w2_fp8.sass_report(fp8_h=True)
+    assert rep["loop_ops"]["QGMMA"] == 16 and rep["spills"] == 0, rep
+    assert rep["registers"] <= (80 if triton.__version__.startswith("3.6") else 128)
+
+
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_pack_kernel_matches_torch_bit_for_bit() -> None:
@@ -143,6 +161,18 @@ def test_gpu_fp8_gate_up_matches_the_planes_product() -> None:
     from bench.fp8_gate_up import VARIANTS, check
     for variant in VARIANTS:
         assert check(variant) < 2e-3, variant
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("shape", [dict(), dict(tokens=2, hidden=512, inter=1536, k=3)])
+def test_gpu_fp8_down_matches_the_planes_product(shape) -> None:
+    """The gate-up's e4m3 h against the planes' fp64 product, and the FP8 down's output against w2's fp64 product
+    with that h (both poisoned first): within bf16 rounding. The V4-Flash shape, and a
+    small one whose rows are shorter than a program's scale read and whose chunk count is not a power of two."""
+    from bench.fp8_gate_up import check_down
+    err_h, err_out = check_down(**shape)
+    assert err_h < 2e-3 and err_out < 4e-3, (err_h, err_out)
 
 
 @pytest.mark.gpu

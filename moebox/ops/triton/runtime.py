@@ -232,11 +232,12 @@ def packed_asm_layout(ttgir: str) -> dict[str, list[int]]:
             for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA", "order")}
 
 
-def loop_sass(cubin: bytes, around: str | None = None) -> tuple[dict[str, int], int, int, bool]:
+def loop_sass(cubin: bytes, around: str | None = None, first: bool = False) -> tuple[dict[str, int], int, int, bool]:
     """(op counts of the longest loop's body, registers, spill stack bytes, whether there is a loop) of a compiled
     kernel's SASS: what the `--sass` reports compare between tilings on a machine without a GPU. The loop is the
     longest span closed by a backward branch (the whole kernel when there is none); with `around` (an opcode),
-    the shortest one that holds every instruction of that opcode (where a wait's retry loop spans the kernel)."""
+    the shortest one that holds every instruction of that opcode (where a wait's retry loop spans the kernel), or
+    with `first` its first instruction (an unrolled outer loop: the first of its inner loops)."""
     import collections
     import re
     sass, usage = cubin_dump(cubin)
@@ -245,7 +246,7 @@ def loop_sass(cubin: bytes, around: str | None = None) -> tuple[dict[str, int], 
     back = [(int(t, 16), int(a, 16)) for a, t in re.findall(line + r"BRA[^;]*?0x([0-9a-f]+)", sass)
             if int(t, 16) < int(a, 16)]
     if around:
-        at = [a for a, op in ins if op.split(".")[0] == around]
+        at = [a for a, op in ins if op.split(".")[0] == around][:1 if first else None]
         back = [b for b in back if b[0] <= at[0] and at[-1] <= b[1]]
     pick = min if around else max
     lo, hi = pick(back, key=lambda b: b[1] - b[0]) if back else (0, ins[-1][0])

@@ -133,31 +133,42 @@ if HAVE_TRITON:
     from moebox.ops.triton.runtime import pdl_start
 
     @triton.jit
+    def _scale_exponent(amax):
+        """`x_scale_exponent` of an fp32 amax in a kernel (int32)."""
+        bits = amax.to(tl.int32, bitcast=True)
+        return tl.maximum(((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
+
+    @triton.jit
+    def _store_e4m3_terms(ptr, row, c, r, STEPS: tl.constexpr, T: tl.constexpr):
+        """r (fp32, already scaled by 2^-X) at columns c of a row of STEPS K steps -> its T e4m3 terms in the
+        permuted K order (`x_permutation`, inverted: column c of a step goes to kk) of `pack_x_reference`'s
+        [rows, STEPS, 2, T, 128] layout."""
+        col = c % 256
+        word, wo = col // 16, col % 16
+        kk = 64 * (word % 4) + 32 * (wo // 8) + 16 * (wo % 2) + 4 * (word // 4) + (wo % 8) // 2
+        dst = ptr + ((row.to(tl.int64) * STEPS + c // 256) * 2 + kk // 128) * (T * 128) + kk % 128
+        for tau in tl.static_range(T):
+            q = r.to(tl.float8e4nv)
+            tl.store(dst + tau * 128, q)
+            r = r - q.to(tl.float32)
+
+    @triton.jit
     def _pack_x_kernel(x_ptr, xq_ptr, xe_ptr, x_row_stride, H: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
                        PDL: tl.constexpr):
         """Program (token, block of BLOCK columns): the token's scale 2^X (`x_scale_exponent`, from the whole row,
-        which every program of the token reads: one launch, no second pass) and its block's T e4m3 terms in the
-        permuted K order (`x_permutation`, inverted: column c of a step goes to kk)."""
+        which every program of the token reads: one launch, no second pass) and its block's T e4m3 terms."""
         pdl_start(PDL)
         n = tl.program_id(0)
         row = x_ptr + n.to(tl.int64) * x_row_stride
         amax = tl.max(tl.abs(tl.load(row + tl.arange(0, BLOCK)).to(tl.float32)), axis=0)
         for c0 in tl.static_range(BLOCK, H, BLOCK):
             amax = tl.maximum(amax, tl.max(tl.abs(tl.load(row + c0 + tl.arange(0, BLOCK)).to(tl.float32)), axis=0))
-        bits = amax.to(tl.int32, bitcast=True)
-        ex = tl.maximum(((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
+        ex = _scale_exponent(amax)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         if tl.program_id(1) == 0:
             tl.store(xe_ptr + n, ((ex + 127) << 23).to(tl.float32, bitcast=True))
         r = tl.load(row + c).to(tl.float32) * ((127 - ex) << 23).to(tl.float32, bitcast=True)
-        col = c % 256
-        word, wo = col // 16, col % 16
-        kk = 64 * (word % 4) + 32 * (wo // 8) + 16 * (wo % 2) + 4 * (word // 4) + (wo % 8) // 2
-        dst = xq_ptr + ((n.to(tl.int64) * (H // 256) + c // 256) * 2 + kk // 128) * (T * 128) + kk % 128
-        for tau in tl.static_range(T):
-            q = r.to(tl.float8e4nv)
-            tl.store(dst + tau * 128, q)
-            r = r - q.to(tl.float32)
+        _store_e4m3_terms(xq_ptr, n, c, r, H // 256, T)
 
 
 def pack_x(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -223,11 +234,10 @@ if HAVE_GLUON:
         return gl.load(c_ptrs + u * C_STEP), gl.load(s_ptrs + u * 8)
 
     @gluon.jit
-    def _unpack(codes, sc, base):
+    def _unpack(codes, mm):
         """One K step's A operand as two [128, 128] e4m3 halves in the wgmma register layout: the words' tables
-        from their scale bytes, then the unpack (no data moves between lanes or registers: the conversions are
-        trivial)."""
-        mm = sc.to(gl.int32) - gl.expand_dims(base, 1)
+        from their groups' exponent fields mm (s - R + 13, [128, 8] in _LG; flushed below 1), then the unpack (no
+        data moves between lanes or registers: the conversions are trivial)."""
         lut = gl.where(mm >= 1, mm * 0x08080808 + 0x10008090, 0)
         lutw = gl.reshape(gl.expand_dims(lut, 2).broadcast_to([128, 8, 2]), [128, 16])
         lutw = gl.convert_layout(lutw, _LW, assert_trivial=True)
@@ -244,15 +254,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _step(acc, codes, sc, base, x_smem, u, zero):
-        a0, a1 = _unpack(codes, sc, base)
+        a0, a1 = _unpack(codes, sc.to(gl.int32) - gl.expand_dims(base, 1))
         return acc + _step_mma(a0, a1, x_smem, u, zero)
 
     @gluon.jit
-    def _fp8_gate_up_kernel(x_desc, xe_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr,
+    def _fp8_gate_up_kernel(x_desc, xe_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr, he_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: gl.constexpr, HW: gl.constexpr, K: gl.constexpr, T: gl.constexpr, TH: gl.constexpr,
                             HAS_LIMIT: gl.constexpr, PAIR: gl.constexpr, PREFETCH: gl.constexpr,
-                            TILED: gl.constexpr, PDL: gl.constexpr):
+                            TILED: gl.constexpr, PDL: gl.constexpr, H_FP8: gl.constexpr = False):
         pdl_start(PDL)
         STEPS: gl.constexpr = HW // 16
         p = gl.program_id(0)                        # (token, expert) pair, t * K + j
@@ -337,46 +347,71 @@ if HAVE_GLUON:
             up = gl.minimum(gl.maximum(up, -limit), limit)
         h = gate / (1.0 + gl.exp(-gate)) * up * gl.load(rw_ptr + p)
         i = rb * 64 + gl.arange(0, 64, layout=h.type.layout)
-        _store_bf16_terms(hp_ptr, p.to(gl.int64) * (TH * I) + _column_slot(i), h, TH, I)
+        if H_FP8:   # TH e4m3 terms for the FP8 down kernel, at this program's own 2^X (one per 64 columns of h)
+            ex = _scale_exponent(gl.max(gl.abs(h), axis=0))
+            gl.store(he_ptr + p * (I // 64) + rb, ex)
+            _store_e4m3_terms(hp_ptr, p, i, h * ((127 - ex) << 23).to(gl.float32, bitcast=True), I // 256, TH)
+        else:
+            _store_bf16_terms(hp_ptr, p.to(gl.int64) * (TH * I) + _column_slot(i), h, TH, I)
+
+
+def terms_descriptor(terms: torch.Tensor) -> "TensorDescriptor":
+    """The TMA descriptor of x's or h's e4m3 terms ([rows, steps, 2, TERMS, 128]) as the kernels read them:
+    [1, 8, 128] boxes of a [., TERMS, 128] view, the rows past TERMS the TMA's zero fill."""
+    return TensorDescriptor(terms, [terms.numel() // (128 * TERMS), TERMS, 128], [128 * TERMS, 128, 1], [1, 8, 128],
+                            _XD.value)
+
+
+def empty_h(pairs: int, inter: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """h for the FP8 down kernel: (e4m3 terms [pairs, I/256, 2, TERMS, 128], as `pack_x` lays out x, each 64
+    columns at their own scale; int32 X [pairs, I/64]: h[64 c .. 64 c + 63] = 2^X[c] * the sum of its terms)."""
+    return (torch.empty((pairs, inter // STEP, 2, TERMS, 128), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((pairs, inter // ROWS), dtype=torch.int32, device=device))
 
 
 def gate_up(xq: torch.Tensor, xe: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor,
             w1s: torch.Tensor, w3c: torch.Tensor, w3s: torch.Tensor, limit: float | None, k: int, th: int,
-            variant: Variant | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+            variant: Variant | None = None, out: torch.Tensor | tuple | None = None, fp8_h: bool = False
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """h as TH bf16 terms in the pair layout (int32 [N k, TH, I/16, 8], into `out` if given), what
-    `w2_moe._down_mma_kernel` reads, from x packed by `pack_x` (xq, xe), flat ids / routing weights [N k] and the
-    planes as `w2_moe._gate_up_mma` takes them (int32 codes [E, I, H/16], uint8 scales; w1 and w3 sharing
-    strides); variant None: `variant_for` the token count."""
+    `w2_moe._down_mma_kernel` reads, or with fp8_h as `empty_h`'s pair, what `w2_fp8_down.down` reads, from x
+    packed by `pack_x` (xq, xe), flat ids / routing weights [N k] and the planes as `w2_moe._gate_up_mma` takes
+    them (int32 codes [E, I, H/16], uint8 scales; w1 and w3 sharing strides); variant None: `variant_for` the
+    token count."""
     n = xe.shape[0]
     variant = variant if variant is not None else variant_for(n)
     inter, hw = w1c.shape[1], w1c.shape[2]
-    hp = torch.empty((n * k, th, inter // 16, 8), dtype=torch.int32, device=xq.device) if out is None else out
-    desc = TensorDescriptor(xq, [xq.numel() // (128 * TERMS), TERMS, 128], [128 * TERMS, 128, 1], [1, 8, 128],
-                            _XD.value)
+    if fp8_h:
+        hp = out if out is not None else empty_h(n * k, inter, xq.device)
+        h_args, th = hp, TERMS
+    else:
+        hp = torch.empty((n * k, th, inter // 16, 8), dtype=torch.int32, device=xq.device) if out is None else out
+        h_args = (hp.view(torch.int16), hp)   # the second: no exponents to write
     _fp8_gate_up_kernel[(n * k, inter // ROWS)](
-        desc, xe, ids, rw, w1c, w1s, w3c, w3s, hp.view(torch.int16), w1c.stride(0), w1s.stride(0),
+        terms_descriptor(xq), xe, ids, rw, w1c, w1s, w3c, w3s, *h_args, w1c.stride(0), w1s.stride(0),
         float(limit) if limit else 0.0,
         I=inter, HW=hw, K=k, T=TERMS, TH=th, HAS_LIMIT=bool(limit), PAIR=variant.pair, PREFETCH=variant.prefetch,
-        TILED=variant.tiled, num_warps=8, **pdl_args(xq, _fp8_gate_up_kernel))
+        TILED=variant.tiled, H_FP8=fp8_h, num_warps=8, **pdl_args(xq, _fp8_gate_up_kernel))
     return hp
 
 
-def build_sm90(variant: Variant = DEFAULT_VARIANT, hidden: int = 4096, inter: int = 2048, k: int = 6, th: int = 2):
+def build_sm90(variant: Variant = DEFAULT_VARIANT, hidden: int = 4096, inter: int = 2048, k: int = 6, th: int = 2,
+               fp8_h: bool = False):
     """The gate-up built for sm_90 (no GPU needed), specialised as a V4-Flash launch."""
     from moebox.ops.triton.runtime import build_sm90 as build
     types = (f"tensordesc<fp8e4nv[1, 8, 128],{_XD.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8",
-             "*i16", "i32", "i32", "fp32")
+             "*fp8e4nv" if fp8_h else "*i16", "*i32", "i32", "i32", "fp32")
     sig = dict(zip(_fp8_gate_up_kernel.arg_names, types))
-    const = dict(I=inter, HW=hidden // 16, K=k, T=TERMS, TH=th, HAS_LIMIT=True, PAIR=variant.pair,
-                 PREFETCH=variant.prefetch, TILED=variant.tiled, PDL=True)
+    const = dict(I=inter, HW=hidden // 16, K=k, T=TERMS, TH=TERMS if fp8_h else th, HAS_LIMIT=True,
+                 PAIR=variant.pair, PREFETCH=variant.prefetch, TILED=variant.tiled, PDL=True, H_FP8=fp8_h)
     return build(_fp8_gate_up_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8)
 
 
-def sass_report(variant: Variant = DEFAULT_VARIANT) -> dict:
+def sass_report(variant: Variant = DEFAULT_VARIANT, fp8_h: bool = False) -> dict:
     """The sm_90 build: registers, spill stack, and the SASS of the K loop (the shortest loop around the wgmmas;
     the TMA wait's retry loop spans the kernel): op counts and instructions a weight (a lane handles 2 rows x 64
-    columns = 128 weights a step, two steps a pair loop)."""
+    columns = 128 weights a step, two steps a pair loop); fp8_h: the build that writes h for the FP8 down kernel."""
     from moebox.ops.triton.runtime import loop_sass
-    ops, registers, spills, _ = loop_sass(build_sm90(variant).asm["cubin"], around="QGMMA")
+    ops, registers, spills, _ = loop_sass(build_sm90(variant, fp8_h=fp8_h).asm["cubin"], around="QGMMA")
     return {"variant": variant, "registers": registers, "spills": spills, "loop_ops": ops,
             "instructions_per_weight": sum(ops.values()) / (256 if variant.pair else 128)}

@@ -23,7 +23,8 @@ of 4 warps (2 warps per SM scheduler), far too few bytes in flight.
 Variant "mma": tensor cores on bf16 operands dequantized in registers, three launches. On sm_90 with bf16/fp16 x
 the gate-up is `w2_fp8`'s instead from 2 tokens (e4m3 weights into wgmma; `DecodeConfig.fp8_gate_up`;
 MOEBOX_FP8_GATE_UP=0 / 1: never / at every token count): x is packed in that kernel's form, the down kernel is the
-same.
+same up to 7 tokens; from 8 it is `w2_fp8_down`'s (the same unpack and wgmma, h as e4m3 terms that the FP8 gate-up
+writes for it; `DecodeConfig.fp8_down`, MOEBOX_FP8_DOWN=0 / 1: never / wherever the FP8 gate-up runs).
   `_pack_x_kernel` writes x as T bf16 "terms" (T = 1 for bf16 x, 2 for fp16, 3 for fp32: x = sum of the
   terms, exact for bf16/fp16, ~2^-24 relative for fp32) in the pair layout below. `_gate_up_mma_kernel`,
   grid (N*k pairs, I/16): one program = one pair and 16 rows of I (w1 and w3), its S warps (gate_split)
@@ -178,7 +179,7 @@ from moebox.ops.moe import routed_experts
 from moebox.ops.streams import Branch
 from moebox.quant.w2 import W2Tensor
 
-from moebox.ops.triton import w2_fp8
+from moebox.ops.triton import w2_fp8, w2_fp8_down
 from moebox.ops.triton.pair_layout import _column_slot, _pair_offset, _pair_slot, _store_bf16_terms
 from moebox.ops.triton.runtime import (HAVE_TRITON, bench_start, build_sm90, graph_us, interpreting,  # noqa: F401
                                        kernel_or_fallback, loop_sass, packed_asm_layout, pdl_args, pdl_start, tl,
@@ -192,7 +193,9 @@ class DecodeConfig:
     K steps ahead the code/scale loads run (1 or 2); selector_fma: the unpack's upper PRMT selectors moved by an f16x2
     add on the FMA pipe instead of a shift on the integer ALU pipe (`_mma_asm`); fp8_gate_up: where
     `w2_fp8.fp8_gate_up_takes` (sm_90, bf16/fp16 x), gate-up by that module's kernel instead, before the same down
-    kernel. "fma": ROWS output rows x WORDS code words per program and step, num_warps, num_stages, transpose_x.
+    kernel; fp8_down: where the FP8 gate-up runs and `w2_fp8_down.fp8_down_takes`, the down projection by that
+    module's kernel too (h as e4m3 terms). "fma": ROWS output rows x WORDS code words per program and step,
+    num_warps, num_stages, transpose_x.
     Shapes the mma kernels do not take run "fma"."""
 
     gate_rows: int = 16
@@ -209,6 +212,7 @@ class DecodeConfig:
     prefetch: int = 1
     selector_fma: bool = False
     fp8_gate_up: bool = True
+    fp8_down: bool = False
 
     def __post_init__(self) -> None:
         pow2 = (self.gate_split, self.down_split, self.gate_rows, self.gate_words, self.down_rows, self.down_words)
@@ -219,17 +223,24 @@ class DecodeConfig:
 
 DEFAULT_CONFIG = DecodeConfig()
 # one token: 16 warps a down program (256 programs; the sixteenth session's sweep: 27.7 against 30.0 us a call);
-# the mma gate-up: with the FP8 one a 36-layer batch-1 decode step took 4.78 against 4.69 ms (fiftieth session, H100)
+# the mma gate-up: with the FP8 one a 36-layer batch-1 decode step took 4.78 against 4.69 ms (fiftieth session, H100),
+# and with its x packed by 8 programs and pairs two ahead 4.61 against 4.61 (fifty-first)
 BATCH1_CONFIG = replace(DEFAULT_CONFIG, down_split=16, fp8_gate_up=False)
 # 4+ tokens, where the integer ALU pipe binds the kernels: the selectors' FMA-pipe move gained 1-5% there; at 1-2
 # tokens, where latency binds, it lost with the tilings those take (twenty-fourth session)
 MANY_TOKENS_CONFIG = replace(DEFAULT_CONFIG, selector_fma=True)
+# 8+ tokens: the FP8 down too (36-layer decode on the H100, fifty-first session: batch 8 10.37 -> 10.06 ms, 16 15.50
+# -> 15.15); with fewer, its one program a token and 128 rows leaves SMs idle (batch 2: 5.60 -> 6.57 ms)
+FP8_DOWN_TOKENS = 8
+FP8_DOWN_CONFIG = replace(MANY_TOKENS_CONFIG, fp8_down=True)
 
 
 def default_config(n: int) -> DecodeConfig:
-    """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth and
-    twenty-fourth sessions)."""
-    return BATCH1_CONFIG if n == 1 else DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG
+    """The tiling a call of n tokens takes when it is given none (docs/benchmarks.md, sixteenth, twenty-fourth,
+    fiftieth and fifty-first sessions)."""
+    if n == 1:
+        return BATCH1_CONFIG
+    return DEFAULT_CONFIG if n < 4 else MANY_TOKENS_CONFIG if n < FP8_DOWN_TOKENS else FP8_DOWN_CONFIG
 
 
 def expert_bytes(hidden: int, intermediate: int) -> int:
@@ -673,12 +684,18 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
                 w3c: torch.Tensor, w3s: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor, limit: float | None,
                 out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | tuple | None = None) -> None:
     n, hidden = x.shape
+    inter = w1c.shape[1]
     hp = None
-    if w2_fp8.fp8_gate_up_takes(x, hidden, w1c.shape[1], cfg.fp8_gate_up):   # Hopper: e4m3 into wgmma
+    if w2_fp8.fp8_gate_up_takes(x, hidden, inter, cfg.fp8_gate_up):   # Hopper: e4m3 into wgmma
         xq = xp if isinstance(xp, tuple) else w2_fp8.pack_x(x)
-        hp = kernel_or_fallback("fp8 gate-up", "MOEBOX_FP8_GATE_UP",
-                                lambda: w2_fp8.gate_up(*xq, ids, rw, w1c, w1s, w3c, w3s, limit, k, th=2),
-                                lambda: None)
+
+        def gate_up(fp8_h: bool):
+            return w2_fp8.gate_up(*xq, ids, rw, w1c, w1s, w3c, w3s, limit, k, th=2, fp8_h=fp8_h)
+        if w2_fp8_down.fp8_down_takes(x, hidden, inter, k, cfg.fp8_down) and kernel_or_fallback(
+                "fp8 down", "MOEBOX_FP8_DOWN", lambda: w2_fp8_down.down(*gate_up(True), ids, w2c, w2s, out, k) is out,
+                lambda: False):
+            return
+        hp = kernel_or_fallback("fp8 gate-up", "MOEBOX_FP8_GATE_UP", lambda: gate_up(False), lambda: None)
     if hp is None:
         if xp is None or isinstance(xp, tuple):
             xp = _pack_x(x, _empty_packed(x))

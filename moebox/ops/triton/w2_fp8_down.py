@@ -1,0 +1,177 @@
+"""The routed experts' decode down projection on Hopper: w2's 2-bit codes unpacked to FP8 e4m3 in registers and fed
+to wgmma (a Gluon kernel, `w2_fp8`'s unpack and layouts), against h as e4m3 terms, which `w2_fp8`'s gate-up writes
+for it (`gate_up(..., fp8_h=True)`).
+
+Why: with the FP8 gate-up the mma down kernel (`w2_moe._down_mma_kernel`, 19 integer ops a 16-code word for bf16
+weight pairs) was the slower half of the expert call: at 8 tokens (V4-Flash, H100) the call took 156 us of which
+the gate-up 91 for twice down's bytes (fiftieth session), i.e. down streamed ~55% of copy against gate-up's ~76%.
+
+Math. out[t, r] = sum_j W2_e[r, :] h_tj (e = the token's j-th expert; the routing weight is in h). h comes in
+64-column chunks, chunk c at its own 2^X_c (`x_scale_exponent` of its amax, written by the gate-up program that
+computed those 64 columns). With X the largest X_c of the pair and R the largest scale byte of a row, a group's
+table is built for the exponent field m = s - R + 13 + X_c - X (flushed below 1), so the products of every chunk
+come out at one scale: W2 h = 2^(R - 133) 2^X sum q * terms. A weight is flushed where its product with its chunk's
+largest h is below 2^-12 of the row's largest weight times the pair's largest h: the gate-up's bound. A lane's 4
+words of a step are 64 columns, one chunk: one exponent a lane and step.
+
+Layout. A program (8 warps) owns one token and 128 rows of H, the gate-up's A layout (rows 16w + g, +8); its K
+runs over the token's k experts one after another, I/256 steps each, loaded two steps (a row's 128-byte line) at a
+time, one pair ahead across the experts' boundaries (two ahead: 146 registers with Triton 3.6, one program an
+SM; spills with 3.9). The token's h terms come by the TMA, all k experts' at once
+(k I/128 boxes of 1 KB, their rows past the 3 terms the TMA's zero fill: 96 KB for V4-Flash). At each expert's
+first pair, its rows' R (their scale bytes, already asked for by the prefetch) and its pair's X. Every output
+element is written once, in the output's dtype, summed in a fixed order (no atomics)."""
+
+from __future__ import annotations
+
+import torch
+
+from moebox.ops.triton import w2_fp8
+from moebox.ops.triton.runtime import kernel_switched_on, next_pow2, pdl_args
+
+ROWS = 128                  # rows of H a program
+SMEM_LIMIT = 160 << 10      # bytes of h terms a program may stage (Hopper: 227 KB of shared memory a block)
+
+
+def h_smem_bytes(k: int, inter: int) -> int:
+    """Shared memory a program takes for its token's h terms: k experts x I/128 boxes of [8, 128] e4m3."""
+    return k * (inter // 128) * 1024
+
+
+def fp8_down_takes(x: torch.Tensor, hidden: int, inter: int, k: int, wanted: bool = True) -> bool:
+    """Whether the decode down projection takes this kernel, given that the FP8 gate-up runs (the caller's
+    `w2_fp8.fp8_gate_up_takes`, which writes its h): `wanted` (the call's `DecodeConfig.fp8_down`) unless
+    MOEBOX_FP8_DOWN says 0 (never) or 1 (wherever the FP8 gate-up runs), H a multiple of a program's rows, I of
+    two K steps, and the token's h terms within `SMEM_LIMIT`."""
+    return (kernel_switched_on(x, "MOEBOX_FP8_DOWN", wanted) and hidden % ROWS == 0
+            and inter % (2 * w2_fp8.STEP) == 0 and h_smem_bytes(k, inter) <= SMEM_LIMIT)
+
+
+if w2_fp8.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+    from moebox.ops.triton.runtime import pdl_start
+    from moebox.ops.triton.w2_fp8 import _ACC, _LG, _LR, _LW, _XS, _step_mma, _tma_load, _unpack
+
+    _L1 = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))   # a pair's chunk exponents (replicated)
+
+    @gluon.jit
+    def _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride, s_expert_stride, tok, unit,
+                   K: gl.constexpr, PAIRS: gl.constexpr):
+        """Unit = (expert j, pair v of its K steps): the codes and scale bytes of its two steps."""
+        e = gl.load(ids_ptr + tok * K + unit // PAIRS).to(gl.int64)
+        v = unit % PAIRS
+        cb = w2c_ptr + e * c_expert_stride + c_off + 32 * v
+        sb = w2s_ptr + e * s_expert_stride + s_off + 16 * v
+        return gl.load(cb), gl.load(sb), gl.load(cb + 16), gl.load(sb + 8)
+
+    @gluon.jit
+    def _chunk_step(acc, codes, sc, base, he_row, hx, chunk0, h_smem, u, scale, zero):
+        """One K step: the tables at the step's chunk exponents (lane t: chunk chunk0 + t), 8 wgmmas from zero,
+        added to acc at the expert's row scale."""
+        grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
+        off = gl.load(he_row + chunk0 + grp // 2) - hx
+        a0, a1 = _unpack(codes, sc.to(gl.int32) - gl.expand_dims(base, 1) + gl.expand_dims(off, 0))
+        return acc + _step_mma(a0, a1, h_smem, u, zero) * scale
+
+    @gluon.jit
+    def _fp8_down_kernel(h_desc, he_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr, out_row_stride, c_expert_stride,
+                         s_expert_stride, IW: gl.constexpr, K: gl.constexpr, T: gl.constexpr,
+                         CHUNKS_P2: gl.constexpr, PDL: gl.constexpr):
+        STEPS: gl.constexpr = IW // 16          # K steps of one expert
+        PAIRS: gl.constexpr = STEPS // 2
+        UNITS: gl.constexpr = K * PAIRS
+        CHUNKS: gl.constexpr = IW // 4          # 64-column chunks of a pair's h
+        tok = gl.program_id(0)
+        rb = gl.program_id(1)                   # rows 128 rb .. 128 rb + 127 of H
+        m = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW))
+        w = gl.arange(0, 16, layout=gl.SliceLayout(0, _LW))
+        c_off = gl.expand_dims((rb * 128 + m).to(gl.int64) * IW, 1) + gl.expand_dims(w, 0)
+        mg = gl.arange(0, 128, layout=gl.SliceLayout(1, _LG))
+        grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
+        s_off = gl.expand_dims((rb * 128 + mg) * (IW // 2), 1) + gl.expand_dims(grp, 0)
+
+        # The first units' planes load before the PDL wait: they are constant, and the ids are the routing's,
+        # which finished before gate-up (the kernel before) could start; only h is gate-up's.
+        codes, sc, codes_b, sc_b = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride,
+                                              s_expert_stride, tok, 0, K, PAIRS)
+        pdl_start(PDL)
+        h_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * K * STEPS, 8, 128], _XS)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, K * STEPS * 2048)
+        for s in gl.static_range(2 * K * STEPS):
+            _tma_load(h_desc, [tok * (2 * K * STEPS) + s, 0, 0], bar, h_smem.index(s).reshape([1, 8, 128]))
+        mbarrier.wait(bar, phase=0)
+        mbarrier.invalidate(bar)
+
+        mr = gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))
+        gr = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _LR)), 0)
+        r_off = gl.expand_dims((rb * 128 + mr) * (IW // 2), 1) + gr
+        ch = gl.arange(0, CHUNKS_P2, layout=_L1)
+        acc = gl.zeros([128, 8], gl.float32, _ACC)
+        zero = gl.zeros([128, 8], gl.float32, _ACC)
+        for j in gl.static_range(K):    # unrolled: a loop here took Triton 3.9's build to 255 registers and spills
+            p = tok * K + j
+            e = gl.load(ids_ptr + p).to(gl.int64)
+            # the expert's R a row (its scale bytes' largest) and the pair's X (its chunks' largest)
+            wr = w2s_ptr + e * s_expert_stride + r_off
+            sr = gl.load(wr, mask=gr < IW // 2, other=0)
+            for g0 in gl.static_range(128, IW // 2, 128):     # rows longer than 128 groups (I > 4096)
+                sr = gl.maximum(sr, gl.load(wr + g0, mask=g0 + gr < IW // 2, other=0))
+            r_row = gl.max(sr.to(gl.int32), axis=1)
+            base = gl.convert_layout(r_row, gl.SliceLayout(1, _LG), assert_trivial=True) - 13
+            he_row = he_ptr + p * CHUNKS
+            hx = gl.max(gl.load(he_row + ch, mask=ch < CHUNKS, other=-126), axis=0)
+            ra = gl.convert_layout(r_row, gl.SliceLayout(1, _ACC), assert_trivial=True)
+            scale = gl.expand_dims(((ra - 6) << 23).to(gl.float32, bitcast=True)
+                                   * ((hx + 127) << 23).to(gl.float32, bitcast=True), 1)
+            for v in range(PAIRS):
+                nxt = gl.minimum(j * PAIRS + v + 1, UNITS - 1)
+                codes_n, sc_n, codes_nb, sc_nb = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off,
+                                                            c_expert_stride, s_expert_stride, tok, nxt, K, PAIRS)
+                u = j * STEPS + 2 * v
+                acc = _chunk_step(acc, codes, sc, base, he_row, hx, 8 * v, h_smem, u, scale, zero)
+                acc = _chunk_step(acc, codes_b, sc_b, base, he_row, hx, 8 * v + 4, h_smem, u + 1, scale, zero)
+                codes, sc, codes_b, sc_b = codes_n, sc_n, codes_nb, sc_nb
+
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
+        y = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
+        rows = rb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _ACC))
+        gl.store(out_ptr + tok.to(gl.int64) * out_row_stride + rows, y.to(out_ptr.dtype.element_ty))
+
+
+def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor,
+         out: torch.Tensor, k: int) -> torch.Tensor:
+    """out [N, H] (written in full, in its dtype) = the sum over each token's k experts of W2_e h, from h as
+    `w2_fp8.gate_up(..., fp8_h=True)` writes it (hq, he), flat ids [N k] and w2's planes as `w2_moe` takes them
+    (int32 codes [E, H, I/16], uint8 scales [E, H, I/32], rows contiguous)."""
+    n, hidden = out.shape
+    iw = w2c.shape[2]
+    _fp8_down_kernel[(n, hidden // ROWS)](
+        w2_fp8.terms_descriptor(hq), he, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
+        IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), num_warps=8,
+        **pdl_args(out, _fp8_down_kernel))
+    return out
+
+
+def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6):
+    """The kernel built for sm_90 (no GPU needed), specialised as a V4-Flash launch with a bf16 output."""
+    from moebox.ops.triton.runtime import build_sm90 as build
+    types = (f"tensordesc<fp8e4nv[1, 8, 128],{w2_fp8._XD.value!r}>", "*i32", "*i64", "*i32", "*u8", "*bf16", "i32",
+             "i32", "i32")
+    sig = dict(zip(_fp8_down_kernel.arg_names, types))
+    const = dict(IW=inter // 16, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(inter // 64), PDL=True)
+    return build(_fp8_down_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8)
+
+
+def sass_report() -> dict:
+    """The sm_90 build: registers, spill stack, and the SASS of the first expert's K loop (the shortest loop
+    around the first wgmma): op counts and instructions a weight (a lane handles 2 rows x 64 columns a step, two
+    steps a loop)."""
+    from moebox.ops.triton.runtime import loop_sass
+    ops, registers, spills, _ = loop_sass(build_sm90().asm["cubin"], around="QGMMA", first=True)
+    return {"registers": registers, "spills": spills, "loop_ops": ops,
+            "instructions_per_weight": sum(ops.values()) / 256}
