@@ -6,6 +6,7 @@ has the numbers.
 
     python -m bench.fp8_gate_up --sass          # build each variant for sm_90 on any machine, count the loop
     python -m bench.fp8_gate_up                 # on a GPU: check each variant and the FP8 down, then time them
+    python -m bench.fp8_gate_up --down          # on a GPU: the FP8 down alone
 """
 
 from __future__ import annotations
@@ -144,10 +145,38 @@ def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts:
     return rows
 
 
+def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts: int = 256, k: int = 6,
+               l2_miss_bytes: int = 256 << 20, rep: int = 100) -> list[dict]:
+    """us a call of the FP8 down alone, on h that the FP8 gate-up wrote, CUDA-graph replay of back-to-back calls on
+    routings whose planes miss L2."""
+    from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
+    from moebox.ops.triton.fp8_linear import copy_bandwidth
+    from moebox.ops.triton.runtime import graph_us
+    device = torch.device("cuda")
+    w13c, w13s, w2c, w2s = w2_moe.random_planes(experts, hidden, inter, device=device)
+    w2c, w2s = w2c.view(torch.int32), w2s.view(torch.uint8)
+    ops = _operands(w2_moe._split_w13(w13c, w13s))
+    copy = copy_bandwidth(device) * 1e9
+    print(f"{'N':>4s} {'MB':>7s} {'us':>7s} {'% copy':>7s}", flush=True)
+    rows = []
+    for n in tokens:
+        routes, nbytes = w2_moe.miss_routes(n, experts, k, w2_moe.expert_bytes(hidden, inter) // 3, l2_miss_bytes,
+                                            device)
+        flat = [(ids.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()) for ids, w in routes]
+        x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
+        hs = [w2_fp8.gate_up(*w2_fp8.pack_x(x), f[0], f[1], *ops, 10.0, k, th=2, fp8_h=True) for f in flat]
+        out = torch.empty((n, hidden), dtype=torch.bfloat16, device=device)
+        us = graph_us([lambda f=f, h=h: w2_fp8_down.down(*h, f[0], w2c, w2s, out, k) for f, h in zip(flat, hs)], rep)
+        rows.append({"tokens": n, "bytes": nbytes, "us": us})
+        print(f"{n:>4d} {nbytes / 1e6:7.1f} {us:7.1f} {100 * nbytes / (us * 1e-6) / copy:6.1f}%", flush=True)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.fp8_gate_up", description=__doc__.splitlines()[0])
     p.add_argument("--sass", action="store_true", help="build for sm_90 and report the SASS (no GPU needed)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--down", action="store_true", help="time the FP8 down kernel alone instead")
     args = p.parse_args(argv)
     from moebox.ops.triton import w2_fp8
     if args.sass:
@@ -162,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"check {_name(v)}: rel. error of h against the planes' fp64 product {check(v):.2e}", flush=True)
     err_h, err_out = check_down()
     print(f"check down: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 {err_out:.2e}", flush=True)
+    if args.down:
+        bench_down(args.tokens)
+        return
     bench(args.tokens)
 
 

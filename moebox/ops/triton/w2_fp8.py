@@ -1,5 +1,6 @@
 """The routed experts' decode gate-up on Hopper: the 2-bit codes unpacked to FP8 e4m3 in registers and fed to
-wgmma (a Gluon kernel), writing h in the form the mma down kernel reads (`w2_moe._down_mma_kernel`).
+wgmma (a Gluon kernel), writing h in the form the mma down kernel reads (`w2_moe._down_mma_kernel`), or as e4m3
+terms for the FP8 down kernel (`w2_fp8_down`, from 8 tokens).
 
 Why: the mma gate-up (`w2_moe._gate_up_mma_kernel`) spends 19 integer ALU ops a 16-code word making bf16 weight
 pairs for mma.sync, and its math alone was about as slow as its loads (forty-eighth session). An e4m3 weight is one

@@ -20,7 +20,12 @@ time, one pair ahead across the experts' boundaries (two ahead: 146 registers wi
 SM; spills with 3.9). The token's h terms come by the TMA, all k experts' at once
 (k I/128 boxes of 1 KB, their rows past the 3 terms the TMA's zero fill: 96 KB for V4-Flash). At each expert's
 first pair, its rows' R (their scale bytes, already asked for by the prefetch) and its pair's X. Every output
-element is written once, in the output's dtype, summed in a fixed order (no atomics)."""
+element is written once, in the output's dtype, summed in a fixed order (no atomics).
+
+Measured and dropped (fifty-first session, H100): each program asking L2 for its rows of the expert two ahead
+(`cp.async.bulk.prefetch.L2`, 72 KB a request pair): the kernel alone 56.6 -> 69.5 us at 8 tokens, 106.9 -> 130.2
+at 16, and the decode step lost its gain. Still open: at 1-4 tokens its 32 programs a token leave SMs idle (2
+tokens: 33.7 us alone against ~22 for the mma down in the call)."""
 
 from __future__ import annotations
 
