@@ -254,6 +254,30 @@ if HAVE_GLUON:
         return gl.convert_layout(a0, _DOT, assert_trivial=True), gl.convert_layout(a1, _DOT, assert_trivial=True)
 
     @gluon.jit
+    def _stage_terms(desc, first, BOXES: gl.constexpr):
+        """BOXES [8, 128] boxes of e4m3 terms (x's or h's, `terms_descriptor`) from box `first` on -> shared
+        memory by the TMA, all on one barrier, waited for: what the wgmmas read as B."""
+        smem = gl.allocate_shared_memory(gl.float8e4nv, [BOXES, 8, 128], _XS)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, BOXES * 1024)
+        for s in gl.static_range(BOXES):
+            _tma_load(desc, [first + s, 0, 0], bar, smem.index(s).reshape([1, 8, 128]))
+        mbarrier.wait(bar, phase=0)
+        mbarrier.invalidate(bar)
+        return smem
+
+    @gluon.jit
+    def _row_max_scale(wr, GROUPS: gl.constexpr):
+        """R of each of a program's 128 rows: the largest of its GROUPS scale bytes, from wr (uint8 pointers to
+        the rows' first bytes, [128, 1] in _LR) -> int32 [128] in _LR's row slice."""
+        gr = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _LR)), 0)
+        sr = gl.load(wr + gr, mask=gr < GROUPS, other=0)
+        for g0 in gl.static_range(128, GROUPS, 128):     # rows longer than 128 groups
+            sr = gl.maximum(sr, gl.load(wr + g0 + gr, mask=g0 + gr < GROUPS, other=0))
+        return gl.max(sr.to(gl.int32), axis=1)
+
+    @gluon.jit
     def _step(acc, codes, sc, base, x_smem, u, zero):
         a0, a1 = _unpack(codes, sc.to(gl.int32) - gl.expand_dims(base, 1))
         return acc + _step_mma(a0, a1, x_smem, u, zero)
@@ -290,25 +314,13 @@ if HAVE_GLUON:
         codes, sc = _load_step(c_ptrs, s_ptrs, 0, C_STEP)
         if PAIR or PREFETCH == 2:
             codes_b, sc_b = _load_step(c_ptrs, s_ptrs, 1, C_STEP)
-        # x's terms -> shared memory by the TMA, all steps on one barrier (after the first code loads are issued)
-        x_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * STEPS, 8, 128], _XS)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        mbarrier.expect(bar, STEPS * 2048)
-        for s in gl.static_range(2 * STEPS):
-            _tma_load(x_desc, [tok * 2 * STEPS + s, 0, 0], bar, x_smem.index(s).reshape([1, 8, 128]))
-        mbarrier.wait(bar, phase=0)
-        mbarrier.invalidate(bar)
+        # x's terms -> shared memory (after the first code loads are issued)
+        x_smem = _stage_terms(x_desc, tok * 2 * STEPS, 2 * STEPS)
         # R of each row: the largest of its 128 scale bytes, one line, which the first steps' scale loads have
         # asked for already. Here, after the wait: computed before it, the build took 127 registers, not 70
         mr = gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))
-        gr = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _LR)), 0)
-        wr = gl.expand_dims(gl.where(mr < 64, w1s_ptr, w3s_ptr) + e * s_expert_stride + (rb * 64 + mr % 64) * (HW // 2),
-                            1)
-        sr = gl.load(wr + gr, mask=gr < HW // 2, other=0)
-        for g0 in gl.static_range(128, HW // 2, 128):     # rows longer than 128 groups (H > 4096)
-            sr = gl.maximum(sr, gl.load(wr + g0 + gr, mask=g0 + gr < HW // 2, other=0))
-        r_row = gl.max(sr.to(gl.int32), axis=1)
+        r_row = _row_max_scale(gl.expand_dims(gl.where(mr < 64, w1s_ptr, w3s_ptr) + e * s_expert_stride
+                                              + (rb * 64 + mr % 64) * (HW // 2), 1), HW // 2)
         base = gl.convert_layout(r_row, gl.SliceLayout(1, _LG), assert_trivial=True) - 13
 
         acc = gl.zeros([128, 8], gl.float32, _ACC)

@@ -55,10 +55,9 @@ def fp8_down_takes(x: torch.Tensor, hidden: int, inter: int, k: int, wanted: boo
 if w2_fp8.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
     from moebox.ops.triton.runtime import pdl_start
-    from moebox.ops.triton.w2_fp8 import _ACC, _LG, _LR, _LW, _XS, _step_mma, _tma_load, _unpack
+    from moebox.ops.triton.w2_fp8 import _ACC, _LG, _LR, _LW, _row_max_scale, _stage_terms, _step_mma, _unpack
 
     _L1 = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))   # a pair's chunk exponents (replicated)
 
@@ -103,18 +102,9 @@ if w2_fp8.HAVE_GLUON:
         codes, sc, codes_b, sc_b = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride,
                                               s_expert_stride, tok, 0, K, PAIRS)
         pdl_start(PDL)
-        h_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * K * STEPS, 8, 128], _XS)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        mbarrier.expect(bar, K * STEPS * 2048)
-        for s in gl.static_range(2 * K * STEPS):
-            _tma_load(h_desc, [tok * (2 * K * STEPS) + s, 0, 0], bar, h_smem.index(s).reshape([1, 8, 128]))
-        mbarrier.wait(bar, phase=0)
-        mbarrier.invalidate(bar)
+        h_smem = _stage_terms(h_desc, tok * (2 * K * STEPS), 2 * K * STEPS)
 
-        mr = gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))
-        gr = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, _LR)), 0)
-        r_off = gl.expand_dims((rb * 128 + mr) * (IW // 2), 1) + gr
+        r_off = (rb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))) * (IW // 2)
         ch = gl.arange(0, CHUNKS_P2, layout=_L1)
         acc = gl.zeros([128, 8], gl.float32, _ACC)
         zero = gl.zeros([128, 8], gl.float32, _ACC)
@@ -122,11 +112,7 @@ if w2_fp8.HAVE_GLUON:
             p = tok * K + j
             e = gl.load(ids_ptr + p).to(gl.int64)
             # the expert's R a row (its scale bytes' largest) and the pair's X (its chunks' largest)
-            wr = w2s_ptr + e * s_expert_stride + r_off
-            sr = gl.load(wr, mask=gr < IW // 2, other=0)
-            for g0 in gl.static_range(128, IW // 2, 128):     # rows longer than 128 groups (I > 4096)
-                sr = gl.maximum(sr, gl.load(wr + g0, mask=g0 + gr < IW // 2, other=0))
-            r_row = gl.max(sr.to(gl.int32), axis=1)
+            r_row = _row_max_scale(gl.expand_dims(w2s_ptr + e * s_expert_stride + r_off, 1), IW // 2)
             base = gl.convert_layout(r_row, gl.SliceLayout(1, _LG), assert_trivial=True) - 13
             he_row = he_ptr + p * CHUNKS
             hx = gl.max(gl.load(he_row + ch, mask=ch < CHUNKS, other=-126), axis=0)
