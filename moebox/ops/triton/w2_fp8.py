@@ -28,9 +28,15 @@ no byte moves. x's terms go to shared memory once a program, by the TMA ([32 hal
 rows past T are the zeros of its out-of-bounds fill): after plain shared-memory stores Triton put a CTA barrier
 before every step's wgmma.
 
-Measured and dropped (forty-ninth and fiftieth sessions; bench/fp8_gate_up.py times the variants kept here): the
+Measured and dropped (forty-ninth to fifty-second sessions; bench/fp8_gate_up.py times the variants kept here): the
 K loop unrolled; one accumulator chained through all steps with the wgmmas left in flight under the next step's
-unpack (wrong: ptxas let the unpack overwrite A registers still being read); 4-warp programs of 32 rows.
+unpack (wrong: ptxas let the unpack overwrite A registers still being read); 4-warp programs of 32 rows. Within a
+pair, the first step's wgmmas in flight under the second's unpack (correct, 107 registers); two register sets a
+loop iteration, so that no copies close the loop (ptxas issues the next pair's loads after the pair's math, as
+their registers are the pair's); the codes and scales by cp.async into a 3- or 4-pair shared-memory ring (99
+registers, two CTA barriers a pair). From 2 tokens each was 1.09-1.23x slower, and at one token none beat pairs
+two ahead (17.1 against 18.2-20.7 us; H100, code in bfd41e8): with three programs an SM (70-74 registers) the
+loads' latency is not what binds.
 """
 
 from __future__ import annotations
@@ -44,8 +50,7 @@ from moebox.ops.triton.runtime import HAVE_TRITON, compute_capability, kernel_sw
 try:    # Gluon (Triton >= 3.5) with Hopper's TMA and wgmma
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared   # Triton 3.9 | 3.6
     HAVE_GLUON = HAVE_TRITON
@@ -65,19 +70,11 @@ PACK_BLOCK = 512    # columns a program of `pack_x`
 class Variant(NamedTuple):
     """How the kernel reads its codes. pair: two K steps' codes loaded together (a row's whole 128-byte line),
     else one; prefetch: steps (pairs) ahead, 1 or 2; tiled: codes stored tile by tile (`w2_moe.tile_codes`), a
-    bench's layout (the model's planes are row-major); overlap (pairs only): a pair's first step's wgmmas left in
-    flight under its second step's unpack (`_pair_products`); pingpong (pairs, prefetch 1): two register sets,
-    pairs 2w and 2w + 1 of a loop iteration, so no copies close the loop (with them ptxas gave the next pair's
-    loads the registers of the pair in hand and so issued them after its math); ring (pairs, >= 2): the codes and
-    scales copied to a shared-memory ring of that many pairs by cp.async (`_copy_pair`), ring - 1 pairs ahead,
-    instead of loaded into registers."""
+    bench's layout (the model's planes are row-major)."""
 
     pair: bool = True
     prefetch: int = 1
     tiled: bool = False
-    overlap: bool = False
-    pingpong: bool = False
-    ring: int = 0
 
 
 DEFAULT_VARIANT = Variant()
@@ -230,25 +227,14 @@ if HAVE_GLUON:
     # the [8, 128] slices the wgmma reads (_XS): the same bytes, as the swizzle acts on the last two dimensions
     _XS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
     _XD = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3))
-    # the ring: a pair's codes [128 rows, 32 words], row 2i + 1's halves swapped (so that a lane's 16-byte reads of
-    # a step, two rows' halves, meet no bank conflicts), and its scales [128, 16 bytes]; copied by cp.async, a
-    # thread's 16 bytes of codes (_LP: the lanes of _LW, steps in a register bit) and 8 of scales (cp.async moves 4,
-    # 8 or 16)
-    _CS = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 2, order=[1, 0]))
-    _SS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    _LP = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0], [0, 16]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 32]))
-    _SCP = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [8, 1], [1, 0]))
     # the epilogue: [64 rows, gate / up]
     _EP = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [2, 4], [1, 0]))
 
     @gluon.jit
-    def _step_mma(a0, a1, x_smem, u, zero, ASYNC: gl.constexpr = False):
-        """A K step's 8 wgmmas (64x8x32 e4m3 a warpgroup) from zero, on its two x halves (ASYNC: left in flight,
-        for `warpgroup_mma_wait`)."""
-        d = warpgroup_mma(a0, x_smem.index(2 * u).permute((1, 0)), zero, use_acc=False, is_async=ASYNC)
-        return warpgroup_mma(a1, x_smem.index(2 * u + 1).permute((1, 0)), d, is_async=ASYNC)
+    def _step_mma(a0, a1, x_smem, u, zero):
+        """A K step's 8 wgmmas (64x8x32 e4m3 a warpgroup) from zero, on its two x halves."""
+        d = warpgroup_mma(a0, x_smem.index(2 * u).permute((1, 0)), zero, use_acc=False)
+        return warpgroup_mma(a1, x_smem.index(2 * u + 1).permute((1, 0)), d)
 
     @gluon.jit
     def _load_step(c_ptrs, s_ptrs, u, C_STEP: gl.constexpr):
@@ -277,25 +263,15 @@ if HAVE_GLUON:
     def _stage_terms(desc, first, BOXES: gl.constexpr):
         """BOXES [8, 128] boxes of e4m3 terms (x's or h's, `terms_descriptor`) from box `first` on -> shared
         memory by the TMA, all on one barrier, waited for: what the wgmmas read as B."""
-        smem, bar = _start_terms(desc, first, BOXES)
-        _wait_terms(bar)
-        return smem
-
-    @gluon.jit
-    def _start_terms(desc, first, BOXES: gl.constexpr):
-        """`_stage_terms` without the wait: (the shared memory, its barrier for `_wait_terms`)."""
         smem = gl.allocate_shared_memory(gl.float8e4nv, [BOXES, 8, 128], _XS)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         mbarrier.expect(bar, BOXES * 1024)
         for s in gl.static_range(BOXES):
             _tma_load(desc, [first + s, 0, 0], bar, smem.index(s).reshape([1, 8, 128]))
-        return smem, bar
-
-    @gluon.jit
-    def _wait_terms(bar):
         mbarrier.wait(bar, phase=0)
         mbarrier.invalidate(bar)
+        return smem
 
     @gluon.jit
     def _row_max_scale(wr, GROUPS: gl.constexpr):
@@ -313,42 +289,11 @@ if HAVE_GLUON:
         return acc + _step_mma(a0, a1, x_smem, u, zero)
 
     @gluon.jit
-    def _pair_products(codes, mm, codes_b, mm_b, x_smem, u, zero):
-        """Steps u and u + 1's products (each from zero), step u's wgmmas in flight under step u + 1's unpack."""
-        a0, a1 = _unpack(codes, mm)
-        d = _step_mma(a0, a1, x_smem, u, zero, True)
-        b0, b1 = _unpack(codes_b, mm_b)
-        d_b = _step_mma(b0, b1, x_smem, u + 1, zero, True)
-        return warpgroup_mma_wait(0, deps=[d, d_b])
-
-    @gluon.jit
-    def _copy_pair(c_slot, s_slot, c_ptrs, s_ptrs, v, ok, C_STEP: gl.constexpr):
-        """Pair v's codes (c_ptrs: [128, 32] pointers to pair 0 in _LP) and scale bytes (s_ptrs: [128, 16] in _SCP)
-        -> a ring slot by cp.async, as one commit group; ok False: nothing read (a group still committed, so that
-        a wait's count stays the pairs ahead); None: no mask."""
-        async_copy.async_copy_global_to_shared(c_slot, c_ptrs + 2 * v * C_STEP, mask=ok)
-        async_copy.async_copy_global_to_shared(s_slot, s_ptrs + 16 * v, mask=ok)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _pair(acc, codes, sc, codes_b, sc_b, base, x_smem, u, zero, OVERLAP: gl.constexpr):
-        """Steps u and u + 1 added to acc, one after the other or (OVERLAP) by `_pair_products`."""
-        if OVERLAP:
-            mm = gl.expand_dims(base, 1)
-            d, d_b = _pair_products(codes, sc.to(gl.int32) - mm, codes_b, sc_b.to(gl.int32) - mm, x_smem, u, zero)
-            acc = acc + d + d_b
-        else:
-            acc = _step(acc, codes, sc, base, x_smem, u, zero)
-            acc = _step(acc, codes_b, sc_b, base, x_smem, u + 1, zero)
-        return acc
-
-    @gluon.jit
     def _fp8_gate_up_kernel(x_desc, xe_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr, he_ptr,
                             c_expert_stride, s_expert_stride, limit,
                             I: gl.constexpr, HW: gl.constexpr, K: gl.constexpr, T: gl.constexpr, TH: gl.constexpr,
                             HAS_LIMIT: gl.constexpr, PAIR: gl.constexpr, PREFETCH: gl.constexpr,
-                            TILED: gl.constexpr, PDL: gl.constexpr, H_FP8: gl.constexpr = False,
-                            OVERLAP: gl.constexpr = False, PINGPONG: gl.constexpr = False, RING: gl.constexpr = 0):
+                            TILED: gl.constexpr, PDL: gl.constexpr, H_FP8: gl.constexpr = False):
         pdl_start(PDL)
         STEPS: gl.constexpr = HW // 16
         p = gl.program_id(0)                        # (token, expert) pair, t * K + j
@@ -372,30 +317,11 @@ if HAVE_GLUON:
         ws = gl.where(mg < 64, w1s_ptr, w3s_ptr) + e * s_expert_stride + (rb * 64 + mg % 64) * (HW // 2)
         s_ptrs = gl.expand_dims(ws, 1) + gl.expand_dims(grp, 0)
 
-        PAIRS: gl.constexpr = STEPS // 2
-        if RING > 0:    # x's terms asked for, then pairs 0 .. RING - 2 -> the ring
-            x_smem, x_bar = _start_terms(x_desc, tok * 2 * STEPS, 2 * STEPS)
-            c_ring = gl.allocate_shared_memory(gl.int32, [RING, 128, 32], _CS)
-            s_ring = gl.allocate_shared_memory(gl.uint8, [RING, 128, 16], _SS)
-            mp = gl.arange(0, 128, layout=gl.SliceLayout(1, _LP))
-            wp = gl.arange(0, 32, layout=gl.SliceLayout(0, _LP))
-            cp_ptrs = (gl.expand_dims(gl.where(mp < 64, w1c_ptr, w3c_ptr) + e * c_expert_stride
-                                      + (rb * 64 + mp % 64).to(gl.int64) * HW, 1) + gl.expand_dims(wp, 0))
-            ms = gl.arange(0, 128, layout=gl.SliceLayout(1, _SCP))
-            gs = gl.arange(0, 16, layout=gl.SliceLayout(0, _SCP))
-            sp_ptrs = (gl.expand_dims(gl.where(ms < 64, w1s_ptr, w3s_ptr) + e * s_expert_stride
-                                      + (rb * 64 + ms % 64) * (HW // 2), 1) + gl.expand_dims(gs, 0))
-            for s in gl.static_range(RING - 1):
-                if s < PAIRS:
-                    _copy_pair(c_ring.index(s), s_ring.index(s), cp_ptrs, sp_ptrs, s, None, 16)
-                else:
-                    async_copy.commit_group()
-            _wait_terms(x_bar)
-        else:   # the first steps' loads, then x's terms -> shared memory
-            codes, sc = _load_step(c_ptrs, s_ptrs, 0, C_STEP)
-            if PAIR or PREFETCH == 2:
-                codes_b, sc_b = _load_step(c_ptrs, s_ptrs, 1, C_STEP)
-            x_smem = _stage_terms(x_desc, tok * 2 * STEPS, 2 * STEPS)
+        codes, sc = _load_step(c_ptrs, s_ptrs, 0, C_STEP)
+        if PAIR or PREFETCH == 2:
+            codes_b, sc_b = _load_step(c_ptrs, s_ptrs, 1, C_STEP)
+        # x's terms -> shared memory (after the first code loads are issued)
+        x_smem = _stage_terms(x_desc, tok * 2 * STEPS, 2 * STEPS)
         # R of each row: the largest of its 128 scale bytes, one line, which the first steps' scale loads have
         # asked for already. Here, after the wait: computed before it, the build took 127 registers, not 70
         mr = gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))
@@ -406,30 +332,7 @@ if HAVE_GLUON:
         acc = gl.zeros([128, 8], gl.float32, _ACC)
         zero = gl.zeros([128, 8], gl.float32, _ACC)
         # the loads PREFETCH steps (pairs) ahead are issued before this step's (pair's) math, clamped at the end
-        if RING > 0:    # pair v: its group (and everyone's) landed, every lane done with slot v - 1 -> pair v + RING - 1
-            for v in range(PAIRS):
-                async_copy.wait_group(RING - 2)
-                gl.thread_barrier()
-                ahead = v + RING - 1
-                _copy_pair(c_ring.index(ahead % RING), s_ring.index(ahead % RING), cp_ptrs, sp_ptrs,
-                           gl.minimum(ahead, PAIRS - 1), ahead < PAIRS, 16)
-                c_slot = c_ring.index(v % RING)
-                s_slot = s_ring.index(v % RING)
-                acc = _pair(acc, c_slot.slice(0, 16, dim=1).load(_LW), s_slot.slice(0, 8, dim=1).load(_LG),
-                            c_slot.slice(16, 16, dim=1).load(_LW), s_slot.slice(8, 8, dim=1).load(_LG), base,
-                            x_smem, 2 * v, zero, OVERLAP)
-        elif PAIR and PINGPONG:   # pairs 2w (codes, ...) and 2w + 1 (codes_c, ...) an iteration, no copies
-            for w in range(STEPS // 4):
-                codes_c, sc_c = _load_step(c_ptrs, s_ptrs, 4 * w + 2, C_STEP)
-                codes_cb, sc_cb = _load_step(c_ptrs, s_ptrs, 4 * w + 3, C_STEP)
-                acc = _pair(acc, codes, sc, codes_b, sc_b, base, x_smem, 4 * w, zero, OVERLAP)
-                nxt = gl.minimum(4 * w + 4, STEPS - 2)
-                codes, sc = _load_step(c_ptrs, s_ptrs, nxt, C_STEP)
-                codes_b, sc_b = _load_step(c_ptrs, s_ptrs, nxt + 1, C_STEP)
-                acc = _pair(acc, codes_c, sc_c, codes_cb, sc_cb, base, x_smem, 4 * w + 2, zero, OVERLAP)
-            if STEPS % 4 == 2:  # an odd count of pairs: the last
-                acc = _pair(acc, codes, sc, codes_b, sc_b, base, x_smem, STEPS - 2, zero, OVERLAP)
-        elif PAIR:  # steps 2v, 2v + 1 in hand
+        if PAIR:    # steps 2v, 2v + 1 in hand
             if PREFETCH == 2:
                 codes_a, sc_a = _load_step(c_ptrs, s_ptrs, 2, C_STEP)
                 codes_ab, sc_ab = _load_step(c_ptrs, s_ptrs, 3, C_STEP)
@@ -437,7 +340,8 @@ if HAVE_GLUON:
                 nxt = gl.minimum(2 * (v + PREFETCH), STEPS - 2)
                 codes_n, sc_n = _load_step(c_ptrs, s_ptrs, nxt, C_STEP)
                 codes_nb, sc_nb = _load_step(c_ptrs, s_ptrs, nxt + 1, C_STEP)
-                acc = _pair(acc, codes, sc, codes_b, sc_b, base, x_smem, 2 * v, zero, OVERLAP)
+                acc = _step(acc, codes, sc, base, x_smem, 2 * v, zero)
+                acc = _step(acc, codes_b, sc_b, base, x_smem, 2 * v + 1, zero)
                 if PREFETCH == 2:
                     codes, sc, codes_b, sc_b = codes_a, sc_a, codes_ab, sc_ab
                     codes_a, sc_a, codes_ab, sc_ab = codes_n, sc_n, codes_nb, sc_nb
@@ -506,8 +410,7 @@ def gate_up(xq: torch.Tensor, xe: torch.Tensor, ids: torch.Tensor, rw: torch.Ten
         terms_descriptor(xq), xe, ids, rw, w1c, w1s, w3c, w3s, *h_args, w1c.stride(0), w1s.stride(0),
         float(limit) if limit else 0.0,
         I=inter, HW=hw, K=k, T=TERMS, TH=th, HAS_LIMIT=bool(limit), PAIR=variant.pair, PREFETCH=variant.prefetch,
-        TILED=variant.tiled, H_FP8=fp8_h, OVERLAP=variant.overlap,
-        PINGPONG=variant.pingpong, RING=variant.ring, num_warps=8, **pdl_args(xq, _fp8_gate_up_kernel))
+        TILED=variant.tiled, H_FP8=fp8_h, num_warps=8, **pdl_args(xq, _fp8_gate_up_kernel))
     return hp
 
 
@@ -519,8 +422,7 @@ def build_sm90(variant: Variant = DEFAULT_VARIANT, hidden: int = 4096, inter: in
              "*fp8e4nv" if fp8_h else "*i16", "*i32", "i32", "i32", "fp32")
     sig = dict(zip(_fp8_gate_up_kernel.arg_names, types))
     const = dict(I=inter, HW=hidden // 16, K=k, T=TERMS, TH=TERMS if fp8_h else th, HAS_LIMIT=True,
-                 PAIR=variant.pair, PREFETCH=variant.prefetch, TILED=variant.tiled, PDL=True, H_FP8=fp8_h,
-                 OVERLAP=variant.overlap, PINGPONG=variant.pingpong, RING=variant.ring)
+                 PAIR=variant.pair, PREFETCH=variant.prefetch, TILED=variant.tiled, PDL=True, H_FP8=fp8_h)
     return build(_fp8_gate_up_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8)
 
 
