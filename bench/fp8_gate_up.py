@@ -84,10 +84,10 @@ def h_from_e4m3(hq: torch.Tensor, he: torch.Tensor) -> torch.Tensor:
 
 
 def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: int = 16, k: int = 6,
-               limit: float = 10.0) -> tuple[float, float]:
+               limit: float = 10.0, ring: bool = False) -> tuple[float, float]:
     """(h's relative error: the FP8 gate-up's e4m3 h against the planes' fp64 product; out's: the FP8 down's output
     against the fp64 product of w2's planes and that h), on random planes and routing; both outputs are poisoned
-    first (NaN terms, exponents of 2^1000, NaN out) and must come back finite."""
+    first (NaN terms, exponents of 2^1000, NaN out) and must come back finite. `ring`: the down's h ring."""
     from bench.bitplane_gate_up import gate_up_reference
     from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
     from moebox.quant.w2 import W2Tensor
@@ -106,7 +106,7 @@ def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: 
     assert torch.isfinite(h).all(), f"{int((~torch.isfinite(h)).sum())} elements of h not written"
     ref_h = gate_up_reference(x.float(), ids, rw, *planes, limit, quantized=False)
     out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
-    w2_fp8_down.down(hq, he, flat, w2c.view(torch.int32), w2s.view(torch.uint8), out, k)
+    w2_fp8_down.down(hq, he, flat, w2c.view(torch.int32), w2s.view(torch.uint8), out, k, ring=ring)
     assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements of out not written"
     ref = torch.zeros((tokens, hidden), dtype=torch.float64, device=device)
     for p, e in enumerate(flat.tolist()):
@@ -147,8 +147,8 @@ def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts:
 
 def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts: int = 256, k: int = 6,
                l2_miss_bytes: int = 256 << 20, rep: int = 100) -> list[dict]:
-    """us a call of the FP8 down alone, on h that the FP8 gate-up wrote, CUDA-graph replay of back-to-back calls on
-    routings whose planes miss L2."""
+    """us a call of the FP8 down alone (h staged whole, and by the two-expert ring), on h that the FP8 gate-up
+    wrote, CUDA-graph replay of back-to-back calls on routings whose planes miss L2."""
     from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
     from moebox.ops.triton.fp8_linear import copy_bandwidth
     from moebox.ops.triton.runtime import graph_us
@@ -157,7 +157,7 @@ def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, exp
     w2c, w2s = w2c.view(torch.int32), w2s.view(torch.uint8)
     ops = _operands(w2_moe._split_w13(w13c, w13s))
     copy = copy_bandwidth(device) * 1e9
-    print(f"{'N':>4s} {'MB':>7s} {'us':>7s} {'% copy':>7s}", flush=True)
+    print(f"{'N':>4s} {'MB':>7s} {'us':>7s} {'% copy':>7s} {'ring us':>8s} {'% copy':>7s}", flush=True)
     rows = []
     for n in tokens:
         routes, nbytes = w2_moe.miss_routes(n, experts, k, w2_moe.expert_bytes(hidden, inter) // 3, l2_miss_bytes,
@@ -166,9 +166,11 @@ def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, exp
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         hs = [w2_fp8.gate_up(*w2_fp8.pack_x(x), f[0], f[1], *ops, 10.0, k, th=2, fp8_h=True) for f in flat]
         out = torch.empty((n, hidden), dtype=torch.bfloat16, device=device)
-        us = graph_us([lambda f=f, h=h: w2_fp8_down.down(*h, f[0], w2c, w2s, out, k) for f, h in zip(flat, hs)], rep)
-        rows.append({"tokens": n, "bytes": nbytes, "us": us})
-        print(f"{n:>4d} {nbytes / 1e6:7.1f} {us:7.1f} {100 * nbytes / (us * 1e-6) / copy:6.1f}%", flush=True)
+        us, ring_us = (graph_us([lambda f=f, h=h: w2_fp8_down.down(*h, f[0], w2c, w2s, out, k, ring=ring)
+                                 for f, h in zip(flat, hs)], rep) for ring in (False, True))
+        rows.append({"tokens": n, "bytes": nbytes, "us": us, "ring_us": ring_us})
+        print(f"{n:>4d} {nbytes / 1e6:7.1f} {us:7.1f} {100 * nbytes / (us * 1e-6) / copy:6.1f}% {ring_us:8.1f} "
+              f"{100 * nbytes / (ring_us * 1e-6) / copy:6.1f}%", flush=True)
     return rows
 
 
@@ -190,8 +192,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for v in VARIANTS:
         print(f"check {_name(v)}: rel. error of h against the planes' fp64 product {check(v):.2e}, at H = 1536 "
               f"{check(v, hidden=1536):.2e}", flush=True)
-    err_h, err_out = check_down()
-    print(f"check down: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 {err_out:.2e}", flush=True)
+    for ring in (False, True):
+        err_h, err_out = check_down(ring=ring)
+        print(f"check down{' ring' if ring else ''}: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 "
+              f"{err_out:.2e}", flush=True)
     if args.down:
         bench_down(args.tokens)
         return

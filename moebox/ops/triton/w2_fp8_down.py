@@ -29,12 +29,15 @@ tokens: 33.7 us alone, where the whole call with the mma down takes 52.5 and its
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moebox.ops.triton import w2_fp8
 from moebox.ops.triton.runtime import kernel_switched_on, next_pow2, pdl_args
 
 ROWS = 128                  # rows of H a program
+RING_REGISTERS = 80         # a thread's registers with the h ring: 3 programs of 8 warps an SM (65 536 / 768 = 85)
 SMEM_LIMIT = 160 << 10      # bytes of h terms a program may stage (Hopper: 227 KB of shared memory a block)
 
 
@@ -57,7 +60,10 @@ if w2_fp8.HAVE_GLUON:
     from triton.experimental.gluon import language as gl
 
     from moebox.ops.triton.runtime import pdl_start
-    from moebox.ops.triton.w2_fp8 import _ACC, _LG, _LR, _LW, _row_max_scale, _stage_terms, _step_mma, _unpack
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+    from moebox.ops.triton.w2_fp8 import (_ACC, _LG, _LR, _LW, _XS, _row_max_scale, _stage_terms, _step_mma,
+                                          _tma_load, _unpack)
 
     _L1 = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))   # a pair's chunk exponents (replicated)
 
@@ -72,6 +78,14 @@ if w2_fp8.HAVE_GLUON:
         return gl.load(cb), gl.load(sb), gl.load(cb + 16), gl.load(sb + 8)
 
     @gluon.jit
+    def _stage_expert(desc, first, h_smem, bars, j: gl.constexpr, BOXES: gl.constexpr):
+        """Expert j's BOXES boxes of h terms (from box `first` on) -> ring slot j % 2 by the TMA, on barrier j."""
+        mbarrier.expect(bars.index(j), BOXES * 1024)
+        for s in gl.static_range(BOXES):
+            _tma_load(desc, [first + j * BOXES + s, 0, 0], bars.index(j),
+                      h_smem.index((j % 2) * BOXES + s).reshape([1, 8, 128]))
+
+    @gluon.jit
     def _chunk_step(acc, codes, sc, base, he_row, hx, chunk0, h_smem, u, scale, zero):
         """One K step: the tables at the step's chunk exponents (lane t: chunk chunk0 + t), 8 wgmmas from zero,
         added to acc at the expert's row scale."""
@@ -83,7 +97,7 @@ if w2_fp8.HAVE_GLUON:
     @gluon.jit
     def _fp8_down_kernel(h_desc, he_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr, out_row_stride, c_expert_stride,
                          s_expert_stride, IW: gl.constexpr, K: gl.constexpr, T: gl.constexpr,
-                         CHUNKS_P2: gl.constexpr, PDL: gl.constexpr):
+                         CHUNKS_P2: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr = False):
         STEPS: gl.constexpr = IW // 16          # K steps of one expert
         PAIRS: gl.constexpr = STEPS // 2
         UNITS: gl.constexpr = K * PAIRS
@@ -102,7 +116,16 @@ if w2_fp8.HAVE_GLUON:
         codes, sc, codes_b, sc_b = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride,
                                               s_expert_stride, tok, 0, K, PAIRS)
         pdl_start(PDL)
-        h_smem = _stage_terms(h_desc, tok * (2 * K * STEPS), 2 * K * STEPS)
+        if RING:    # two experts' h at a time (32 KB for V4-Flash, not 96): room for three programs an SM
+            h_smem = gl.allocate_shared_memory(gl.float8e4nv, [4 * STEPS, 8, 128], _XS)
+            bars = gl.allocate_shared_memory(gl.int64, [K, 1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(K):
+                mbarrier.init(bars.index(j), count=1)
+            fence_async_shared()
+            for j in gl.static_range(2 if K > 1 else 1):
+                _stage_expert(h_desc, tok * (2 * K * STEPS), h_smem, bars, j, 2 * STEPS)
+        else:
+            h_smem = _stage_terms(h_desc, tok * (2 * K * STEPS), 2 * K * STEPS)
 
         r_off = (rb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))) * (IW // 2)
         ch = gl.arange(0, CHUNKS_P2, layout=_L1)
@@ -119,14 +142,19 @@ if w2_fp8.HAVE_GLUON:
             ra = gl.convert_layout(r_row, gl.SliceLayout(1, _ACC), assert_trivial=True)
             scale = gl.expand_dims(((ra - 6) << 23).to(gl.float32, bitcast=True)
                                    * ((hx + 127) << 23).to(gl.float32, bitcast=True), 1)
+            if RING:
+                mbarrier.wait(bars.index(j), phase=0)
             for v in range(PAIRS):
                 nxt = gl.minimum(j * PAIRS + v + 1, UNITS - 1)
                 codes_n, sc_n, codes_nb, sc_nb = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off,
                                                             c_expert_stride, s_expert_stride, tok, nxt, K, PAIRS)
-                u = j * STEPS + 2 * v
+                u = ((j % 2) if RING else j) * STEPS + 2 * v
                 acc = _chunk_step(acc, codes, sc, base, he_row, hx, 8 * v, h_smem, u, scale, zero)
                 acc = _chunk_step(acc, codes_b, sc_b, base, he_row, hx, 8 * v + 4, h_smem, u + 1, scale, zero)
                 codes, sc, codes_b, sc_b = codes_n, sc_n, codes_nb, sc_nb
+            if RING and j + 2 < K:      # every warp's wgmmas on slot j % 2 are done: refill it
+                gl.thread_barrier()
+                _stage_expert(h_desc, tok * (2 * K * STEPS), h_smem, bars, j + 2, 2 * STEPS)
 
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
         y = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
@@ -135,34 +163,38 @@ if w2_fp8.HAVE_GLUON:
 
 
 def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor,
-         out: torch.Tensor, k: int) -> torch.Tensor:
+         out: torch.Tensor, k: int, ring: bool | None = None) -> torch.Tensor:
     """out [N, H] (written in full, in its dtype) = the sum over each token's k experts of W2_e h, from h as
     `w2_fp8.gate_up(..., fp8_h=True)` writes it (hq, he), flat ids [N k] and w2's planes as `w2_moe` takes them
-    (int32 codes [E, H, I/16], uint8 scales [E, H, I/32], rows contiguous)."""
+    (int32 codes [E, H, I/16], uint8 scales [E, H, I/32], rows contiguous). `ring` (default: MOEBOX_FP8_DOWN_RING
+    is 1): h staged two experts at a time, registers capped at `RING_REGISTERS`."""
     n, hidden = out.shape
     iw = w2c.shape[2]
+    if ring is None:
+        ring = os.environ.get("MOEBOX_FP8_DOWN_RING", "0") == "1"
     _fp8_down_kernel[(n, hidden // ROWS)](
         w2_fp8.terms_descriptor(hq), he, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), num_warps=8,
-        **pdl_args(out, _fp8_down_kernel))
+        IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), RING=ring, num_warps=8,
+        **({"maxnreg": RING_REGISTERS} if ring else {}), **pdl_args(out, _fp8_down_kernel))
     return out
 
 
-def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6):
+def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6, ring: bool = False):
     """The kernel built for sm_90 (no GPU needed), specialised as a V4-Flash launch with a bf16 output."""
     from moebox.ops.triton.runtime import build_sm90 as build
     types = (f"tensordesc<fp8e4nv[1, 8, 128],{w2_fp8._XD.value!r}>", "*i32", "*i64", "*i32", "*u8", "*bf16", "i32",
              "i32", "i32")
     sig = dict(zip(_fp8_down_kernel.arg_names, types))
-    const = dict(IW=inter // 16, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(inter // 64), PDL=True)
-    return build(_fp8_down_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8)
+    const = dict(IW=inter // 16, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(inter // 64), PDL=True, RING=ring)
+    return build(_fp8_down_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8,
+                 **({"maxnreg": RING_REGISTERS} if ring else {}))
 
 
-def sass_report() -> dict:
+def sass_report(ring: bool = False) -> dict:
     """The sm_90 build: registers, spill stack, and the SASS of the first expert's K loop (the shortest loop
     around the first wgmma): op counts and instructions a weight (a lane handles 2 rows x 64 columns a step, two
     steps a loop)."""
     from moebox.ops.triton.runtime import loop_sass
-    ops, registers, spills, _ = loop_sass(build_sm90().asm["cubin"], around="QGMMA", first=True)
+    ops, registers, spills, _ = loop_sass(build_sm90(ring=ring).asm["cubin"], around="QGMMA", first=True)
     return {"registers": registers, "spills": spills, "loop_ops": ops,
             "instructions_per_weight": sum(ops.values()) / 256}
