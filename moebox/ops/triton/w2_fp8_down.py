@@ -25,7 +25,11 @@ element is written once, in the output's dtype, summed in a fixed order (no atom
 Measured and dropped (fifty-first session, H100): each program asking L2 for its rows of the expert two ahead
 (`cp.async.bulk.prefetch.L2`, 72 KB a request pair): the kernel alone 56.6 -> 69.5 us at 8 tokens, 106.9 -> 130.2
 at 16, and the decode step lost its gain. Still open: at 1-4 tokens its 32 programs a token leave SMs idle (2
-tokens: 33.7 us alone, where the whole call with the mma down takes 52.5 and its FP8 gate-up alone ~28)."""
+tokens: 33.7 us alone, where the whole call with the mma down takes 52.5 and its FP8 gate-up alone ~28).
+
+Opt-in, not yet timed (fifty-third session): MOEBOX_FP8_DOWN_RING=1 stages h two experts at a time (a 2-slot ring,
+32 KB) and caps registers at 80 (80 B spilled), so three programs fit an SM where 94 registers and 96 KB of h
+allowed two (Nsight Compute, fifty-second session: 59% of DRAM peak at 8 tokens)."""
 
 from __future__ import annotations
 
@@ -58,10 +62,9 @@ def fp8_down_takes(x: torch.Tensor, hidden: int, inter: int, k: int, wanted: boo
 if w2_fp8.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-
-    from moebox.ops.triton.runtime import pdl_start
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+    from moebox.ops.triton.runtime import pdl_start
     from moebox.ops.triton.w2_fp8 import (_ACC, _LG, _LR, _LW, _XS, _row_max_scale, _stage_terms, _step_mma,
                                           _tma_load, _unpack)
 
