@@ -68,6 +68,7 @@ if w2_fp8.HAVE_GLUON:
     from moebox.ops.triton.w2_fp8 import (_ACC, _LG, _LR, _LW, _XS, _row_max_scale, _stage_terms, _step_mma,
                                           _tma_load, _unpack)
 
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier     # Triton 3.9 | 3.6
     _L1 = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))   # a pair's chunk exponents (replicated)
 
     @gluon.jit
@@ -156,7 +157,7 @@ if w2_fp8.HAVE_GLUON:
                 acc = _chunk_step(acc, codes_b, sc_b, base, he_row, hx, 8 * v + 4, h_smem, u + 1, scale, zero)
                 codes, sc, codes_b, sc_b = codes_n, sc_n, codes_nb, sc_nb
             if RING and j + 2 < K:      # every warp's wgmmas on slot j % 2 are done: refill it
-                gl.thread_barrier()
+                _cta_barrier()
                 _stage_expert(h_desc, tok * (2 * K * STEPS), h_smem, bars, j + 2, 2 * STEPS)
 
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
