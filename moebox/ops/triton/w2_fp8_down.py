@@ -120,6 +120,7 @@ if w2_fp8.HAVE_GLUON:
         codes, sc, codes_b, sc_b = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride,
                                               s_expert_stride, tok, 0, K, PAIRS)
         pdl_start(PDL)
+        first = tok * (2 * K * STEPS)           # the token's first box of h terms
         if RING:    # two experts' h at a time (32 KB for V4-Flash, not 96): room for three programs an SM
             h_smem = gl.allocate_shared_memory(gl.float8e4nv, [4 * STEPS, 8, 128], _XS)
             bars = gl.allocate_shared_memory(gl.int64, [K, 1], mbarrier.MBarrierLayout())
@@ -127,9 +128,9 @@ if w2_fp8.HAVE_GLUON:
                 mbarrier.init(bars.index(j), count=1)
             fence_async_shared()
             for j in gl.static_range(2 if K > 1 else 1):
-                _stage_expert(h_desc, tok * (2 * K * STEPS), h_smem, bars, j, 2 * STEPS)
+                _stage_expert(h_desc, first, h_smem, bars, j, 2 * STEPS)
         else:
-            h_smem = _stage_terms(h_desc, tok * (2 * K * STEPS), 2 * K * STEPS)
+            h_smem = _stage_terms(h_desc, first, 2 * K * STEPS)
 
         r_off = (rb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))) * (IW // 2)
         ch = gl.arange(0, CHUNKS_P2, layout=_L1)
@@ -158,12 +159,17 @@ if w2_fp8.HAVE_GLUON:
                 codes, sc, codes_b, sc_b = codes_n, sc_n, codes_nb, sc_nb
             if RING and j + 2 < K:      # every warp's wgmmas on slot j % 2 are done: refill it
                 _cta_barrier()
-                _stage_expert(h_desc, tok * (2 * K * STEPS), h_smem, bars, j + 2, 2 * STEPS)
+                _stage_expert(h_desc, first, h_smem, bars, j + 2, 2 * STEPS)
 
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
         y = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
         rows = rb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _ACC))
         gl.store(out_ptr + tok.to(gl.int64) * out_row_stride + rows, y.to(out_ptr.dtype.element_ty))
+
+
+def _ring_options(ring: bool) -> dict:
+    """The launch's compile options for the staging: the ring's register cap."""
+    return {"maxnreg": RING_REGISTERS} if ring else {}
 
 
 def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor,
@@ -179,7 +185,7 @@ def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tenso
     _fp8_down_kernel[(n, hidden // ROWS)](
         w2_fp8.terms_descriptor(hq), he, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), RING=ring, num_warps=8,
-        **({"maxnreg": RING_REGISTERS} if ring else {}), **pdl_args(out, _fp8_down_kernel))
+        **_ring_options(ring), **pdl_args(out, _fp8_down_kernel))
     return out
 
 
@@ -191,7 +197,7 @@ def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6, ring: bool = F
     sig = dict(zip(_fp8_down_kernel.arg_names, types))
     const = dict(IW=inter // 16, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(inter // 64), PDL=True, RING=ring)
     return build(_fp8_down_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8,
-                 **({"maxnreg": RING_REGISTERS} if ring else {}))
+                 **_ring_options(ring))
 
 
 def sass_report(ring: bool = False) -> dict:
