@@ -1,8 +1,8 @@
 """The FP8 gate-up (`moebox.ops.triton.w2_fp8`, e4m3 weights into Hopper's wgmma) against the mma gate-up
 (`w2_moe._gate_up_mma`), alone and in its variants: how many K steps a load takes (one, or a pair: a row's whole
-128-byte line), how far ahead, and codes stored tile by tile (`w2_moe.tile_codes`, a layout the model does not
-use). The kernel's design and math are in its module doc; docs/benchmarks.md (forty-ninth and fiftieth sessions)
-has the numbers.
+128-byte line), how far ahead, and codes stored tile by tile (`w2_moe.tile_codes`, the decode kernels' opt-in
+layout, `moebox bench decode --tiled-codes`). The kernel's design and math are in its module doc; docs/benchmarks.md
+(forty-ninth and fiftieth sessions) has the numbers.
 
     python -m bench.fp8_gate_up --sass          # build each variant for sm_90 on any machine, count the loop
     python -m bench.fp8_gate_up                 # on a GPU: check each variant and the FP8 down, then time them
@@ -84,10 +84,11 @@ def h_from_e4m3(hq: torch.Tensor, he: torch.Tensor) -> torch.Tensor:
 
 
 def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: int = 16, k: int = 6,
-               limit: float = 10.0, ring: bool = False) -> tuple[float, float]:
+               limit: float = 10.0, ring: bool = False, tiled: bool = False) -> tuple[float, float]:
     """(h's relative error: the FP8 gate-up's e4m3 h against the planes' fp64 product; out's: the FP8 down's output
     against the fp64 product of w2's planes and that h), on random planes and routing; both outputs are poisoned
-    first (NaN terms, exponents of 2^1000, NaN out) and must come back finite. `ring`: the down's h ring."""
+    first (NaN terms, exponents of 2^1000, NaN out) and must come back finite. `ring`: the down's h ring; `tiled`:
+    both kernels on the codes tile by tile (the references on the row-major ones)."""
     from bench.bitplane_gate_up import gate_up_reference
     from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
     from moebox.quant.w2 import W2Tensor
@@ -100,13 +101,14 @@ def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: 
     hq.view(torch.uint8).fill_(0x7F)
     he.fill_(1000)
     flat = ids.reshape(-1).contiguous()
-    w2_fp8.gate_up(*w2_fp8.pack_x(x), flat, rw.reshape(-1).float().contiguous(), *_operands(planes), limit, k, th=2,
-                   fp8_h=True, out=(hq, he))
+    w2_fp8.gate_up(*w2_fp8.pack_x(x), flat, rw.reshape(-1).float().contiguous(), *_operands(planes, tiled), limit, k,
+                   th=2, variant=w2_fp8.variant_for(tokens)._replace(tiled=tiled), fp8_h=True, out=(hq, he))
     h = h_from_e4m3(hq, he)
     assert torch.isfinite(h).all(), f"{int((~torch.isfinite(h)).sum())} elements of h not written"
     ref_h = gate_up_reference(x.float(), ids, rw, *planes, limit, quantized=False)
     out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
-    w2_fp8_down.down(hq, he, flat, w2c.view(torch.int32), w2s.view(torch.uint8), out, k, ring=ring)
+    codes = w2_moe.tile_codes(w2c) if tiled else w2c
+    w2_fp8_down.down(hq, he, flat, codes.view(torch.int32), w2s.view(torch.uint8), out, k, ring=ring, tiled=tiled)
     assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements of out not written"
     ref = torch.zeros((tokens, hidden), dtype=torch.float64, device=device)
     for p, e in enumerate(flat.tolist()):
@@ -145,19 +147,29 @@ def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts:
     return rows
 
 
+DOWN_FORMS = ((False, False), (True, False), (False, True), (True, True))    # (ring, tiled)
+
+
+def _down_name(ring: bool, tiled: bool) -> str:
+    return f"{'ring' if ring else 'whole h'}{' tiled' if tiled else ''}"
+
+
 def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts: int = 256, k: int = 6,
                l2_miss_bytes: int = 256 << 20, rep: int = 100) -> list[dict]:
-    """us a call of the FP8 down alone (h staged whole, and by the two-expert ring), on h that the FP8 gate-up
-    wrote, CUDA-graph replay of back-to-back calls on routings whose planes miss L2."""
+    """us a call of the FP8 down alone in each of `DOWN_FORMS` (h staged whole or by the two-expert ring; w2's
+    codes row-major or tile by tile), on h that the FP8 gate-up wrote, CUDA-graph replay of back-to-back calls on
+    routings whose planes miss L2."""
     from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
     from moebox.ops.triton.fp8_linear import copy_bandwidth
     from moebox.ops.triton.runtime import graph_us
     device = torch.device("cuda")
     w13c, w13s, w2c, w2s = w2_moe.random_planes(experts, hidden, inter, device=device)
-    w2c, w2s = w2c.view(torch.int32), w2s.view(torch.uint8)
+    codes = {False: w2c.view(torch.int32), True: w2_moe.tile_codes(w2c).view(torch.int32)}
+    w2s = w2s.view(torch.uint8)
     ops = _operands(w2_moe._split_w13(w13c, w13s))
     copy = copy_bandwidth(device) * 1e9
-    print(f"{'N':>4s} {'MB':>7s} {'us':>7s} {'% copy':>7s} {'ring us':>8s} {'% copy':>7s}", flush=True)
+    names = [_down_name(*f) for f in DOWN_FORMS]
+    print(" ".join(f"{c:>14s}" for c in ["N", "MB"] + names) + "   (us; % of copy)", flush=True)
     rows = []
     for n in tokens:
         routes, nbytes = w2_moe.miss_routes(n, experts, k, w2_moe.expert_bytes(hidden, inter) // 3, l2_miss_bytes,
@@ -166,11 +178,11 @@ def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, exp
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         hs = [w2_fp8.gate_up(*w2_fp8.pack_x(x), f[0], f[1], *ops, 10.0, k, th=2, fp8_h=True) for f in flat]
         out = torch.empty((n, hidden), dtype=torch.bfloat16, device=device)
-        us, ring_us = (graph_us([lambda f=f, h=h: w2_fp8_down.down(*h, f[0], w2c, w2s, out, k, ring=ring)
-                                 for f, h in zip(flat, hs)], rep) for ring in (False, True))
-        rows.append({"tokens": n, "bytes": nbytes, "us": us, "ring_us": ring_us})
-        print(f"{n:>4d} {nbytes / 1e6:7.1f} {us:7.1f} {100 * nbytes / (us * 1e-6) / copy:6.1f}% {ring_us:8.1f} "
-              f"{100 * nbytes / (ring_us * 1e-6) / copy:6.1f}%", flush=True)
+        us = [graph_us([lambda f=f, h=h: w2_fp8_down.down(*h, f[0], codes[tiled], w2s, out, k, ring=ring, tiled=tiled)
+                        for f, h in zip(flat, hs)], rep) for ring, tiled in DOWN_FORMS]
+        rows.append({"tokens": n, "bytes": nbytes, **dict(zip(names, us))})
+        cells = [f"{u:.1f}; {100 * nbytes / (u * 1e-6) / copy:.0f}%" for u in us]
+        print(" ".join(f"{c:>14s}" for c in [str(n), f"{nbytes / 1e6:.1f}"] + cells), flush=True)
     return rows
 
 
@@ -192,9 +204,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for v in VARIANTS:
         print(f"check {_name(v)}: rel. error of h against the planes' fp64 product {check(v):.2e}, at H = 1536 "
               f"{check(v, hidden=1536):.2e}", flush=True)
-    for ring in (False, True):
-        err_h, err_out = check_down(ring=ring)
-        print(f"check down{' ring' if ring else ''}: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 "
+    for ring, tiled in DOWN_FORMS:
+        err_h, err_out = check_down(ring=ring, tiled=tiled)
+        print(f"check down {_down_name(ring, tiled)}: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 "
               f"{err_out:.2e}", flush=True)
     if args.down:
         bench_down(args.tokens)

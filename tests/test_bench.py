@@ -64,6 +64,50 @@ def test_bench_decode_cli_reports_each_row(tmp_path):
     assert all(line.split("\t")[3].lstrip("-").isdigit() for line in lines)
 
 
+def test_bench_tiled_codes_is_refused_on_the_cpu():
+    """--tiled-codes prices the CUDA kernels that read that order; on the CPU it is refused before any work, with
+    the flag named."""
+    out = subprocess.run([sys.executable, "-m", "moebox.cli", "bench", "decode", "--preset", "tiny", "--device",
+                          "cpu", "--tiled-codes"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--tiled-codes" in out.stderr and "--device cuda" in out.stderr, out.stderr
+    assert "model:" not in out.stdout
+
+
+def test_a_layer_with_codes_tile_by_tile_gives_the_same_output():
+    """A layer whose buffer's codes were relaid tile by tile (`tile_layer_codes`, which its per-expert views share)
+    gives the row-major layer's output: here through the reference (CPU), which reads row-major copies."""
+    from moebox.ops.triton.w2_moe import tile_layer_codes
+    cfg = parse_config(preset_config("small", 1))       # experts of 1024 x 512: two K tiles a row either way
+    model = DeepseekV4(cfg, synthetic_weights(cfg, "cpu", progress=False).pop, qat=False, dtype=torch.float32,
+                       load_mtp=False)
+    moe = model.layers[0].ffn
+    x, tokens = torch.randn(3, cfg.hidden_size), torch.tensor([1, 2, 3])
+    want = moe.routed(x, tokens)
+    codes = moe.experts[0][0].codes.clone()
+    tile_layer_codes(moe.layer_planes, cfg.hidden_size, cfg.moe_intermediate_size)
+    assert not torch.equal(moe.experts[0][0].codes, codes)     # the views see the new order
+    moe.tiled_codes = True
+    assert torch.equal(moe.routed(x, tokens), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_decode_on_codes_tile_by_tile_runs_each_batch():
+    """The small preset's decode and prefill with every layer's codes relaid tile by tile: each row runs (the
+    kernels' numbers against the reference are tests/test_triton_w2*.py's); the tiny preset's shapes are refused."""
+    cmd = [sys.executable, "-m", "moebox.cli", "bench", "--device", "cuda", "--tiled-codes"]
+    out = subprocess.run(cmd + ["decode", "--preset", "small", "--batch", "1", "3", "8", "--context", "64",
+                                "--steps", "2", "--no-breakdown"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "codes tile by tile" in out.stdout
+    assert [r[1] for r in _table_rows(out.stdout.partition("peak GPU memory")[0])] == ["1", "3", "8"]
+    out = subprocess.run(cmd + ["prefill", "--preset", "small", "--prompt", "300"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and len(_table_rows(out.stdout)) == 1, out.stderr[-2000:]
+    out = subprocess.run(cmd + ["decode", "--preset", "tiny"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "multiples of 256" in out.stderr, out.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_decode_peak_memory_is_the_runs_not_the_copy_tests():

@@ -3,14 +3,16 @@
 - CPU: the reference/dispatcher, the plane helpers, config checks; the kernels themselves in Triton's
   interpreter (TRITON_INTERPRET=1 is read when triton is imported, so those checks run in a subprocess): the mma
   variant (its interpreter twin of the inline asm, same x/h pair layout, bf16 terms, scale bytes, K split over
-  warps, prefetch depths) with fp32 and fp16 x, the fma variant with fp32 x; an sm_90 build of the mma
-  kernels on CPU (no GPU needed) that checks what the inline asm relies on: its operands in the mma fragment
-  layout, no layout conversion in the loop, every HMMA in the loop, the SASS instructions per weight; and the
-  inline PTX itself run in a one-warp emulator (mma.sync fragments as the PTX ISA defines them) vs a plain dot.
+  warps, prefetch depths) with fp32 and fp16 x and on codes stored tile by tile, the fma variant with fp32 x; an
+  sm_90 build of the mma kernels on CPU (no GPU needed) that checks what the inline asm relies on: its operands in
+  the mma fragment layout, no layout conversion in the loop, every HMMA in the loop, the SASS instructions per
+  weight; and the inline PTX itself run in a one-warp emulator (mma.sync fragments as the PTX ISA defines them) vs
+  a plain dot.
 - GPU (marker `gpu`, skipped without CUDA): small and real V4-Flash shapes (H=4096, I=2048, E=256, k=6),
   N in {1, 3, 16}, bf16 / fp16 / fp32 activations, the default config, the fma variant and other mma configs,
-  outputs poisoned with NaN before each run; a shape the mma kernels do not take; layer-buffer views; a CUDA-graph
-  replay of the default and the fma variant.
+  outputs poisoned with NaN before each run; a shape the mma kernels do not take; layer-buffer views; codes
+  stored tile by tile (`tile_codes`) at each token count's kernels; a CUDA-graph replay of the default and the fma
+  variant.
 """
 
 from __future__ import annotations
@@ -290,11 +292,13 @@ def _gpu_planes(hidden: int, inter: int, experts: int) -> tuple:
 
 
 def _check_gpu(shape: dict, n: int, dtype: torch.dtype, limit: float | None,
-               config: DecodeConfig | None = None) -> None:
-    """`config` None: the tiling the call picks for n tokens (`default_config`)."""
-    from moebox.ops.triton.w2_moe import w2_moe_decode_triton
+               config: DecodeConfig | None = None, tiled: bool = False) -> None:
+    """`config` None: the tiling the call picks for n tokens (`default_config`); tiled: the kernels read the codes
+    tile by tile (`tile_codes`), the reference the row-major planes."""
+    from moebox.ops.triton.w2_moe import tile_codes, w2_moe_decode_triton
     hidden, inter, experts, k = shape["hidden"], shape["inter"], shape["experts"], shape["k"]
     planes = _gpu_planes(hidden, inter, experts)
+    kernel_planes = (tile_codes(planes[0]), planes[1], tile_codes(planes[2]), planes[3]) if tiled else planes
     ids, w = random_routing(n, experts, k, device="cuda", seed=n)
     if n > 1:
         ids[1] = ids[0]  # two tokens on the same experts: the L2-shared path
@@ -304,7 +308,7 @@ def _check_gpu(shape: dict, n: int, dtype: torch.dtype, limit: float | None,
     first = None
     for _ in range(2):  # a second run into a re-poisoned buffer: nothing stale is left, the result is the same
         out = torch.full((n, hidden), float("nan"), device="cuda", dtype=dtype)
-        y = w2_moe_decode_triton(x, ids, w, *planes, limit, out=out, config=config)
+        y = w2_moe_decode_triton(x, ids, w, *kernel_planes, limit, out=out, config=config, tiled=tiled)
         torch.cuda.synchronize()
         assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
         assert torch.isfinite(y).all(), f"{int((~torch.isfinite(y)).sum())} elements not written or not finite"
@@ -313,7 +317,7 @@ def _check_gpu(shape: dict, n: int, dtype: torch.dtype, limit: float | None,
         assert float((y.float() - ref).abs().max()) <= atol
         assert first is None or torch.equal(y, first)
         first = y.clone()
-    if config is None:  # the dispatcher takes the Triton path on CUDA
+    if config is None and not tiled:  # the dispatcher takes the Triton path on CUDA
         assert torch.equal(w2_moe_decode(x, ids, w, *planes, limit), y)
 
 
@@ -325,6 +329,16 @@ def _check_gpu(shape: dict, n: int, dtype: torch.dtype, limit: float | None,
 def test_gpu_decode_matches_reference(shape: dict, n: int, dtype: torch.dtype) -> None:
     # limit 3 clamps a good share of gate/up values at these scales; the unclamped path is checked below
     _check_gpu(shape, n, dtype, limit=3.0)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_on_codes_tile_by_tile_matches_reference(n: int) -> None:
+    """Codes stored tile by tile: each token count's kernels (on sm_90 the mma gate-up at 1 token, the FP8 gate-up
+    and mma down at 3, both FP8 kernels from 8) read them right, and fp32 x's mma kernels at every count."""
+    _check_gpu(V4_FLASH, n, torch.bfloat16, limit=3.0, tiled=True)
+    _check_gpu(SMALL, n, torch.float32, limit=3.0, tiled=True)
 
 
 @pytest.mark.parametrize("config", [cfg for _, cfg in SWEEP if cfg != DEFAULT_CONFIG],
@@ -391,28 +405,47 @@ def test_gpu_cuda_graph_replay(variant: str) -> None:
         assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.slow
 @needs_triton
-def test_gate_up_probe_tiled_addressing_reads_each_rows_codes_from_their_tile() -> None:
-    """bench/gate_up_bound.py's "tiled" mode claims the same bytes in another order: in the interpreter, gate-up
-    with TILED on planes stored tile by tile (each 16-row block's K tiles of 16 words contiguous) gives exactly
-    the h of the row-major kernel on the row-major planes."""
-    from tests.interpreter import run_in_interpreter
-    out = run_in_interpreter(_INTERPRETER_SETUP + textwrap.dedent("""
-        from moebox.ops.triton import w2_moe
-        hidden, inter, e, k, n = 512, 256, 3, 2, 2
-        w13c, w13s = random_planes(e, hidden, inter, seed=7)[:2]
-        tiled = w2_moe.tile_codes(w13c)
-        ids, w = random_routing(n, e, k, seed=3)
-        x = torch.randn(n, hidden)
-        xp = w2_moe._pack_x(x, w2_moe._empty_packed(x))
-        hs = []
-        for codes, flag in ((w13c, False), (tiled, True)):
-            operands = w2_moe.gate_up_operands(*w2_moe._split_w13(codes, w13s))
-            hs.append(w2_moe._gate_up_mma(x, xp, ids.reshape(-1), w.reshape(-1).float(), *operands, 10.0, k,
-                                          DecodeConfig(), tiled=flag))
-        print("RESULT " + json.dumps([bool(torch.equal(*hs)), bool(hs[0].abs().sum() > 0),
-                                      bool(torch.equal(tiled, w13c))]))
+def test_mma_kernels_on_codes_tile_by_tile_in_triton_interpreter() -> None:
+    """Codes relaid tile by tile (`tile_codes`: each 16-row block's K tiles of 16 words contiguous) and read with
+    `tiled`: the mma kernels (their interpreter path) give the reference's output on the row-major planes, with
+    one and several K tiles a warp and both prefetch depths; `tile_layer_codes` relays a layer buffer's codes so
+    (its scales and padding unchanged), and the fma kernels refuse the layout."""
+    check_in_interpreter(_INTERPRETER_SETUP + textwrap.dedent("""
+        from moebox.ops.triton.w2_moe import tile_codes, tile_layer_codes
+
+        def run_tiled(hidden, inter, e, k, n, cfg):
+            planes = random_planes(e, hidden, inter, seed=11, scale_byte=(122, 128))
+            tiled = (tile_codes(planes[0]), planes[1], tile_codes(planes[2]), planes[3])
+            assert not torch.equal(tiled[0], planes[0]) and not torch.equal(tiled[2], planes[2])
+            ids, w = random_routing(n, e, k, seed=n)
+            x = torch.randn(n, hidden)
+            y = w2_moe_decode_triton(x, ids, w, *tiled, 10.0, config=cfg, tiled=True)
+            ref = w2_moe_decode_reference(x, ids, w, *planes, 10.0)
+            results.append(dict(case=["tiled", hidden, inter, n, str(cfg)], same_buffer=True,
+                                finite=bool(torch.isfinite(y).all()), rel=float((y - ref).norm() / ref.norm()),
+                                ref_norm=float(ref.norm())))
+
+        # (one K tile a row, H or I = 256, is the same bytes in either order)
+        run_tiled(512, 512, 4, 2, 2, DecodeConfig())
+        run_tiled(512, 512, 5, 3, 1, DecodeConfig(gate_split=1, down_split=1, prefetch=2))
+        # a layer buffer: its code views relaid, everything else as it was
+        hidden, inter, e = 512, 512, 3
+        shape = StoreShape(layers=1, experts=e, hidden=hidden, intermediate=inter)
+        buf = torch.randint(0, 256, (e, shape.stride), dtype=torch.uint8)
+        before = buf.clone()
+        tile_layer_codes(buf, hidden, inter)
+        views, old = layer_views(buf, hidden, inter), layer_views(before, hidden, inter)
+        mask = torch.ones_like(buf, dtype=torch.bool)
+        for v in views[::2]:
+            mask[:, v.storage_offset() % shape.stride:][:, :v[0].numel()] = False
+        assert all(torch.equal(a, tile_codes(b)) for a, b in zip(views[::2], old[::2]))
+        assert torch.equal(buf[mask], before[mask])
+        try:
+            w2_moe_decode_split(torch.randn(1, hidden), torch.tensor([[0]]), torch.ones(1, 1), *views, 10.0,
+                                config=DecodeConfig(variant="fma"), tiled=True)
+            raise AssertionError("the fma kernels took codes tile by tile")
+        except ValueError as err:
+            assert "tile by tile" in str(err), err
+        print("RESULT " + json.dumps(results))
     """))
-    same, nonzero, layouts_equal = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
-    assert same and nonzero and not layouts_equal

@@ -132,19 +132,21 @@ def test_fp8_gate_up_builds_for_sm90() -> None:
 def test_fp8_down_and_its_gate_up_build_for_sm90() -> None:
     """The FP8 down kernel's sm_90 build: 16 native e4m3 wgmmas in its inner loop (a pair of K steps), no CTA
     barrier, no spills (Triton 3.9 spilled with the experts' loop not unrolled), and at most 128 registers (two
-    programs an SM, as many as its 96 KB of h allow); with the h ring, three programs an SM fit; the gate-up that writes e4m3 h for it keeps the bf16-h build's loop and registers."""
+    programs an SM, as many as its 96 KB of h allow); with the h ring, three programs an SM fit; the same holds for
+    codes stored tile by tile; the gate-up that writes e4m3 h for it keeps the bf16-h build's loop and registers."""
     import triton
     from moebox.ops.triton import w2_fp8_down
-    rep = w2_fp8_down.sass_report()
-    assert rep["loop_ops"]["QGMMA"] == 16 and "BAR" not in rep["loop_ops"] and rep["spills"] == 0, rep
-    assert rep["registers"] <= 128, rep
-    # the h ring: three programs an SM fit (registers and shared memory); no CTA barrier in the pair loop with
-    # Triton 3.6 (the GPU image's), where 3.9 puts one there (seen in the fifty-third session, cause not known)
-    ring = w2_fp8_down.build_sm90(ring=True)
-    rep = w2_fp8_down.sass_report(ring=True)
-    assert rep["loop_ops"]["QGMMA"] == 16 and rep["loop_ops"].get("BAR", 0) <= (
-        0 if triton.__version__.startswith("3.6") else 1), rep
-    assert rep["registers"] <= w2_fp8_down.RING_REGISTERS and 3 * (ring.metadata.shared + 1024) <= 228 << 10, rep
+    for tiled in (False, True):
+        rep = w2_fp8_down.sass_report(tiled=tiled)
+        assert rep["loop_ops"]["QGMMA"] == 16 and "BAR" not in rep["loop_ops"] and rep["spills"] == 0, rep
+        assert rep["registers"] <= 128, rep
+        # the h ring: three programs an SM fit (registers and shared memory); no CTA barrier in the pair loop with
+        # Triton 3.6 (the GPU image's), where 3.9 puts one there (seen in the fifty-third session, cause not known)
+        ring = w2_fp8_down.build_sm90(ring=True, tiled=tiled)
+        rep = w2_fp8_down.sass_report(ring=True, tiled=tiled)
+        assert rep["loop_ops"]["QGMMA"] == 16 and rep["loop_ops"].get("BAR", 0) <= (
+            0 if triton.__version__.startswith("3.6") else 1), rep
+        assert rep["registers"] <= w2_fp8_down.RING_REGISTERS and 3 * (ring.metadata.shared + 1024) <= 228 << 10, rep
     rep = w2_fp8.sass_report(fp8_h=True)
     assert rep["loop_ops"]["QGMMA"] == 16 and rep["spills"] == 0, rep
     assert rep["registers"] <= (80 if triton.__version__.startswith("3.6") else 128)
@@ -172,15 +174,16 @@ def test_gpu_fp8_gate_up_matches_the_planes_product() -> None:
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("ring,tiled", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("shape", [dict(), dict(tokens=2, hidden=512, inter=1536, k=3)])
-def test_gpu_fp8_down_matches_the_planes_product(shape, ring) -> None:
+def test_gpu_fp8_down_matches_the_planes_product(shape, ring, tiled) -> None:
     """The gate-up's e4m3 h against the planes' fp64 product, and the FP8 down's output against w2's fp64 product
     with that h (both poisoned first): within bf16 rounding. The V4-Flash shape, and a
     small one whose rows are shorter than a program's scale read and whose chunk count is not a power of two
-    (k = 3: the h ring refills one slot); h staged whole and by the ring."""
+    (k = 3: the h ring refills one slot); h staged whole and by the ring; the kernels on codes row-major and tile
+    by tile (the references on the row-major ones)."""
     from bench.fp8_gate_up import check_down
-    err_h, err_out = check_down(**shape, ring=ring)
+    err_h, err_out = check_down(**shape, ring=ring, tiled=tiled)
     assert err_h < 2e-3 and err_out < 4e-3, (err_h, err_out)
 
 

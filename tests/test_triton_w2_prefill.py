@@ -83,6 +83,17 @@ _INTERPRETER = textwrap.dedent("""
                             same_buffer=y.dtype == dtype and y.shape == x.shape,
                             finite=bool(torch.isfinite(y).all()), rel=float((y.float() - ref).norm() / ref.norm()),
                             ref_norm=float(ref.norm())))
+    # codes stored tile by tile (the "rows" variant; H and I of two K tiles, so the order differs from row-major)
+    from moebox.ops.triton.w2_moe import tile_codes
+    hidden, inter, e, k, n = 512, 512, 3, 2, 20
+    planes = stack_planes(experts_from_float(e, hidden, inter))
+    ids, w = random_routing(n, e, k, seed=4)
+    x = torch.randn(n, hidden)
+    y = w2_moe_prefill(x, ids, w, tile_codes(planes[0]), planes[1], tile_codes(planes[2]), planes[3], 10.0,
+                       config=PrefillConfig(block_m=16, block_n=32, variant="rows"), tiled=True)
+    ref = w2_moe_decode_reference(x, ids, w, *planes, 10.0)
+    results.append(dict(case="tiled", same_buffer=True, finite=bool(torch.isfinite(y).all()),
+                        rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
     # zero-copy plane-store layer views (expert stride = the slot)
     hidden, inter, e, k, n = 64, 64, 4, 2, 24
     experts = experts_from_float(e, hidden, inter)
@@ -121,6 +132,11 @@ def test_bad_shapes_are_refused_with_the_reason() -> None:
     from moebox.ops.triton.w2_moe_prefill import PrefillConfig
     with pytest.raises(ValueError, match="variant tile or rows"):
         PrefillConfig(variant="rows", block_k=64)
+    planes = random_planes(2, 512, 256)      # codes tile by tile: the "rows" variant only, H and I of 256
+    with pytest.raises(ValueError, match="tile by tile need the prefill variant 'rows'"):
+        w2_moe_prefill(torch.randn(3, 512), ids, w, *planes, None, config=PrefillConfig(variant="tile"), tiled=True)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        w2_moe_prefill(torch.randn(3, 64), ids, w, *random_planes(2, 64, 32), None, tiled=True)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -428,6 +429,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "launch order with the idle time between launches, to FILE (tab-separated)")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="also time speculative verify steps (K drafts + 1 token per sequence) at the first context")
+    p.add_argument("--tiled-codes", action="store_true",
+                   help="relay every layer's expert codes tile by tile as the model is built (MOEBOX_TILED_CODES=1, "
+                        "the expert kernels' other layout); CUDA only")
     spec.configure(p.add_argument_group("spec"))
 
 
@@ -440,7 +444,16 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MoeboxError("--device cuda but no CUDA device is available; use --device cpu (tiny/small presets)")
+    if args.tiled_codes and device.type != "cuda":
+        raise MoeboxError("--tiled-codes: the kernels that read codes tile by tile run on CUDA (on the CPU the "
+                          "reference reads row-major copies: nothing to time); use --device cuda or drop the flag")
     cfg = parse_config(preset_config(args.preset, args.layers))
+    if args.tiled_codes and (cfg.hidden_size % 256 or cfg.moe_intermediate_size % 256):
+        raise MoeboxError(f"--tiled-codes: the {args.preset} preset's experts ({cfg.hidden_size} x "
+                          f"{cfg.moe_intermediate_size}) are not multiples of 256, which the kernels that read codes "
+                          "tile by tile need; use --preset small or flash")
+    if args.tiled_codes:
+        os.environ["MOEBOX_TILED_CODES"] = "1"      # each layer relays its buffer as the model is built
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     weights = synthetic_weights(cfg, device)
@@ -449,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
     model = DeepseekV4(cfg, weights.pop, qat=False, dtype=dtype, load_mtp=False)
     del weights
     print(f"model: {args.preset}, {cfg.num_layers} layers, {total / GB:.2f} GB of weights on {device} "
-          f"(built in {time.perf_counter() - t0:.0f} s)")
+          f"(built in {time.perf_counter() - t0:.0f} s{', codes tile by tile' if args.tiled_codes else ''})")
     with torch.inference_mode():
         if args.what == "decode":
             _report_decode(args, model, dense, cfg, device)

@@ -7,6 +7,7 @@ batch on CUDA also routes in one Triton kernel."""
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -43,6 +44,20 @@ class MoE:
             self.layer_planes = get(prefix + "experts.planes")
         except KeyError:
             self.layer_planes = None
+        self.tiled_codes = self._tile_codes()
+
+    def _tile_codes(self) -> bool:
+        """With MOEBOX_TILED_CODES=1, a CUDA layer buffer's codes are relaid tile by tile here (and so its
+        per-expert views', which the reference then reads through row-major copies): the order in which a warp's
+        K step of the expert kernels is one contiguous KB. Off by default until a decode step shows it wins
+        (docs/benchmarks.md); shapes that are not multiples of 256 (the fma kernels') stay row-major."""
+        cfg, buf = self.cfg, self.layer_planes
+        if (os.environ.get("MOEBOX_TILED_CODES", "0") != "1" or buf is None or not buf.is_cuda
+                or cfg.hidden_size % 256 or cfg.moe_intermediate_size % 256):
+            return False
+        from moebox.ops.triton.w2_moe import tile_layer_codes
+        tile_layer_codes(buf, cfg.hidden_size, cfg.moe_intermediate_size)
+        return True
 
     def __call__(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         out, shared = self.parts(x, tokens)
@@ -99,16 +114,26 @@ class MoE:
         idx, w = self.route(x, tokens)
         if self.on_route is not None:
             self.on_route(idx)
-        reference = lambda: routed_experts(x, idx, w, self.experts.__getitem__, cfg.swiglu_limit)  # noqa: E731
+        reference = lambda: routed_experts(x, idx, w, self._expert, cfg.swiglu_limit)  # noqa: E731
         if not kernels:
             return reference()
         if decode:
-            return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit, packed=packed)
+            return w2_moe_decode_split(x, idx, w.float(), *views, cfg.swiglu_limit, packed=packed,
+                                       tiled=self.tiled_codes)
         if not kernel_switched_on(x, "MOEBOX_W2_PREFILL_KERNEL"):
             return reference()
         from moebox.ops.triton.w2_moe_prefill import w2_moe_prefill_split
-        return kernel_or_fallback("w2 prefill", "MOEBOX_W2_PREFILL_KERNEL",
-                                  lambda: w2_moe_prefill_split(x, idx, w, *views, cfg.swiglu_limit), reference)
+        return kernel_or_fallback(
+            "w2 prefill", "MOEBOX_W2_PREFILL_KERNEL",
+            lambda: w2_moe_prefill_split(x, idx, w, *views, cfg.swiglu_limit, tiled=self.tiled_codes), reference)
+
+    def _expert(self, e: int) -> tuple:
+        """Expert e's (w1, w3, w2) for the reference: row-major copies of its planes where the codes are tiled."""
+        if not self.tiled_codes:
+            return self.experts[e]
+        from moebox.ops.triton.w2_moe import untile_codes
+        from moebox.quant.w2 import W2Tensor
+        return tuple(W2Tensor(untile_codes(t.codes[None])[0], t.scales) for t in self.experts[e])
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.shared_in(x)

@@ -69,8 +69,8 @@ PACK_BLOCK = 512    # columns a program of `pack_x`
 
 class Variant(NamedTuple):
     """How the kernel reads its codes. pair: two K steps' codes loaded together (a row's whole 128-byte line),
-    else one; prefetch: steps (pairs) ahead, 1 or 2; tiled: codes stored tile by tile (`w2_moe.tile_codes`), a
-    bench's layout (the model's planes are row-major)."""
+    else one; prefetch: steps (pairs) ahead, 1 or 2; tiled: codes stored tile by tile (`w2_moe.tile_codes`, the
+    decode's opt-in layout; the model's planes are row-major)."""
 
     pair: bool = True
     prefetch: int = 1

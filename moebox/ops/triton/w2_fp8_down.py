@@ -29,7 +29,9 @@ tokens: 33.7 us alone, where the whole call with the mma down takes 52.5 and its
 
 Opt-in, not yet timed (fifty-third session): MOEBOX_FP8_DOWN_RING=1 stages h two experts at a time (a 2-slot ring,
 32 KB) and caps registers at 80 (80 B spilled), so three programs fit an SM where 94 registers and 96 KB of h
-allowed two (Nsight Compute, fifty-second session: 59% of DRAM peak at 8 tokens)."""
+allowed two (Nsight Compute, fifty-second session: 59% of DRAM peak at 8 tokens). With `tiled` it reads w2's codes
+stored tile by tile (`w2_moe.tile_codes`; the sm_90 build with Triton 3.6: 90 registers and 346 instructions a
+pair loop against 94 and 357)."""
 
 from __future__ import annotations
 
@@ -73,13 +75,14 @@ if w2_fp8.HAVE_GLUON:
 
     @gluon.jit
     def _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride, s_expert_stride, tok, unit,
-                   K: gl.constexpr, PAIRS: gl.constexpr):
-        """Unit = (expert j, pair v of its K steps): the codes and scale bytes of its two steps."""
+                   K: gl.constexpr, PAIRS: gl.constexpr, C_STEP: gl.constexpr):
+        """Unit = (expert j, pair v of its K steps): the codes and scale bytes of its two steps (C_STEP words
+        from one step's codes of a row to the next)."""
         e = gl.load(ids_ptr + tok * K + unit // PAIRS).to(gl.int64)
         v = unit % PAIRS
-        cb = w2c_ptr + e * c_expert_stride + c_off + 32 * v
+        cb = w2c_ptr + e * c_expert_stride + c_off + 2 * C_STEP * v
         sb = w2s_ptr + e * s_expert_stride + s_off + 16 * v
-        return gl.load(cb), gl.load(sb), gl.load(cb + 16), gl.load(sb + 8)
+        return gl.load(cb), gl.load(sb), gl.load(cb + C_STEP), gl.load(sb + 8)
 
     @gluon.jit
     def _stage_expert(desc, first, h_smem, bars, j: gl.constexpr, BOXES: gl.constexpr):
@@ -101,7 +104,8 @@ if w2_fp8.HAVE_GLUON:
     @gluon.jit
     def _fp8_down_kernel(h_desc, he_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr, out_row_stride, c_expert_stride,
                          s_expert_stride, IW: gl.constexpr, K: gl.constexpr, T: gl.constexpr,
-                         CHUNKS_P2: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr = False):
+                         CHUNKS_P2: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr = False,
+                         TILED: gl.constexpr = False):
         STEPS: gl.constexpr = IW // 16          # K steps of one expert
         PAIRS: gl.constexpr = STEPS // 2
         UNITS: gl.constexpr = K * PAIRS
@@ -110,7 +114,12 @@ if w2_fp8.HAVE_GLUON:
         rb = gl.program_id(1)                   # rows 128 rb .. 128 rb + 127 of H
         m = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW))
         w = gl.arange(0, 16, layout=gl.SliceLayout(0, _LW))
-        c_off = gl.expand_dims((rb * 128 + m).to(gl.int64) * IW, 1) + gl.expand_dims(w, 0)
+        row = rb * 128 + m
+        if TILED:   # tile (row // 16, step u) of 256 words at (row // 16 * STEPS + u) * 256, row % 16 at 16 words each
+            c_off = gl.expand_dims((row // 16).to(gl.int64) * (16 * IW) + (row % 16) * 16, 1) + gl.expand_dims(w, 0)
+        else:
+            c_off = gl.expand_dims(row.to(gl.int64) * IW, 1) + gl.expand_dims(w, 0)
+        C_STEP: gl.constexpr = 256 if TILED else 16
         mg = gl.arange(0, 128, layout=gl.SliceLayout(1, _LG))
         grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
         s_off = gl.expand_dims((rb * 128 + mg) * (IW // 2), 1) + gl.expand_dims(grp, 0)
@@ -118,7 +127,7 @@ if w2_fp8.HAVE_GLUON:
         # The first units' planes load before the PDL wait: they are constant, and the ids are the routing's,
         # which finished before gate-up (the kernel before) could start; only h is gate-up's.
         codes, sc, codes_b, sc_b = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride,
-                                              s_expert_stride, tok, 0, K, PAIRS)
+                                              s_expert_stride, tok, 0, K, PAIRS, C_STEP)
         pdl_start(PDL)
         first = tok * (2 * K * STEPS)           # the token's first box of h terms
         if RING:    # two experts' h at a time (32 KB for V4-Flash, not 96): room for three programs an SM
@@ -152,7 +161,8 @@ if w2_fp8.HAVE_GLUON:
             for v in range(PAIRS):
                 nxt = gl.minimum(j * PAIRS + v + 1, UNITS - 1)
                 codes_n, sc_n, codes_nb, sc_nb = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off,
-                                                            c_expert_stride, s_expert_stride, tok, nxt, K, PAIRS)
+                                                            c_expert_stride, s_expert_stride, tok, nxt, K, PAIRS,
+                                                            C_STEP)
                 u = ((j % 2) if RING else j) * STEPS + 2 * v
                 acc = _chunk_step(acc, codes, sc, base, he_row, hx, 8 * v, h_smem, u, scale, zero)
                 acc = _chunk_step(acc, codes_b, sc_b, base, he_row, hx, 8 * v + 4, h_smem, u + 1, scale, zero)
@@ -173,38 +183,40 @@ def _ring_options(ring: bool) -> dict:
 
 
 def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor,
-         out: torch.Tensor, k: int, ring: bool | None = None) -> torch.Tensor:
+         out: torch.Tensor, k: int, ring: bool | None = None, tiled: bool = False) -> torch.Tensor:
     """out [N, H] (written in full, in its dtype) = the sum over each token's k experts of W2_e h, from h as
     `w2_fp8.gate_up(..., fp8_h=True)` writes it (hq, he), flat ids [N k] and w2's planes as `w2_moe` takes them
-    (int32 codes [E, H, I/16], uint8 scales [E, H, I/32], rows contiguous). `ring` (default: MOEBOX_FP8_DOWN_RING
-    is 1): h staged two experts at a time, registers capped at `RING_REGISTERS`."""
+    (int32 codes [E, H, I/16], uint8 scales [E, H, I/32], rows contiguous; tiled: the codes in tile order,
+    `w2_moe.tile_codes`). `ring` (default: MOEBOX_FP8_DOWN_RING is 1): h staged two experts at a time, registers
+    capped at `RING_REGISTERS`."""
     n, hidden = out.shape
     iw = w2c.shape[2]
     if ring is None:
         ring = os.environ.get("MOEBOX_FP8_DOWN_RING", "0") == "1"
     _fp8_down_kernel[(n, hidden // ROWS)](
         w2_fp8.terms_descriptor(hq), he, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), RING=ring, num_warps=8,
+        IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), RING=ring, TILED=tiled, num_warps=8,
         **_ring_options(ring), **pdl_args(out, _fp8_down_kernel))
     return out
 
 
-def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6, ring: bool = False):
+def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6, ring: bool = False, tiled: bool = False):
     """The kernel built for sm_90 (no GPU needed), specialised as a V4-Flash launch with a bf16 output."""
     from moebox.ops.triton.runtime import build_sm90 as build
     types = (f"tensordesc<fp8e4nv[1, 8, 128],{w2_fp8._XD.value!r}>", "*i32", "*i64", "*i32", "*u8", "*bf16", "i32",
              "i32", "i32")
     sig = dict(zip(_fp8_down_kernel.arg_names, types))
-    const = dict(IW=inter // 16, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(inter // 64), PDL=True, RING=ring)
+    const = dict(IW=inter // 16, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(inter // 64), PDL=True, RING=ring,
+                 TILED=tiled)
     return build(_fp8_down_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8,
                  **_ring_options(ring))
 
 
-def sass_report(ring: bool = False) -> dict:
+def sass_report(ring: bool = False, tiled: bool = False) -> dict:
     """The sm_90 build: registers, spill stack, and the SASS of the first expert's K loop (the shortest loop
     around the first wgmma): op counts and instructions a weight (a lane handles 2 rows x 64 columns a step, two
     steps a loop)."""
     from moebox.ops.triton.runtime import loop_sass
-    ops, registers, spills, _ = loop_sass(build_sm90(ring=ring).asm["cubin"], around="QGMMA", first=True)
+    ops, registers, spills, _ = loop_sass(build_sm90(ring=ring, tiled=tiled).asm["cubin"], around="QGMMA", first=True)
     return {"registers": registers, "spills": spills, "loop_ops": ops,
             "instructions_per_weight": sum(ops.values()) / 256}

@@ -157,7 +157,13 @@ E8M0 (float8_e8m0fnu or uint8) [E, rows, cols/32], rows contiguous within an exp
 (a multiple of 4 bytes for codes; 16 bytes and 16-byte aligned codes for the mma kernels, else fma). w1 and
 w3 must share their strides. So the planes can be stacked tensors (`stack_planes`) or zero-copy views of a
 plane-store layer buffer [E, slot stride] (`layer_views`). `w2_moe_decode` takes the w13 stacked form:
-w13 = [E, 2I, ...], w1 rows then w3 rows.
+w13 = [E, 2I, ...], w1 rows then w3 rows. With `tiled` the codes of each matrix are stored tile by tile
+(`tile_codes`: a 16-row block's K tiles of 16 words, 1 KB each, contiguous; scales row-major), which the mma and
+FP8 kernels read (a warp's K step is then one contiguous KB, not 16 rows' 64-byte pieces), and the prefill's "rows"
+kernels too; the fma kernels do not. The FP8 gate-up alone took 85.2 against 90.9 us at N = 8 on that order (H100,
+fiftieth session). MOEBOX_TILED_CODES=1 relays each CUDA layer buffer as the model is built (`tile_layer_codes`,
+`moebox.model.moe.MoE`; the store stays row-major); whether a decode step gains is for `moebox bench decode
+--tiled-codes` to say, and it stays off until then.
 
 CUDA graphs: a call allocates only its scratch (x/h pairs, or h and x^T for fma) and `out` with torch.empty
 (graph-safe with the caching allocator) and launches 3 kernels; no host sync, no data-dependent shapes.
@@ -509,7 +515,7 @@ if HAVE_TRITON:
     def _gate_tiles(w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, c_row, s_row, u, LAST: tl.constexpr,
                     TILE_WORDS: tl.constexpr):
         """The w1 and w3 code words and scale bytes of K tile u (16 words; clamped to the last tile); TILE_WORDS:
-        words from one tile of a row's codes to the next (256 for the probe's tile-by-tile addressing)."""
+        words from one tile of a row's codes to the next (256 for codes stored tile by tile, `tile_codes`)."""
         tile = tl.minimum(u, LAST)
         wb, cb = tile * 16, tile * TILE_WORDS
         return (tl.load(w1c_ptr + c_row + cb), tl.load(w1s_ptr + s_row + wb // 2),
@@ -531,7 +537,7 @@ if HAVE_TRITON:
         r = 8 * rho + g
         row = 16 * rw + (r >> 1) + ((r >> 1) & 4) + 4 * (r & 1)   # tile row r = 2 j + half -> h row of pair j
         TILE_WORDS: tl.constexpr = 256 if TILED else 16
-        if TILED:   # probe: the 16 rows' codes read as if stored tile by tile (1 KB each; same bytes, wrong values)
+        if TILED:   # the 16 rows' K tiles of 16 words stored tile by tile (`tile_codes`)
             c_row = e * c_expert_stride + (16 * rw).to(tl.int64) * HW + (row - 16 * rw) * 16 + w
         else:
             c_row = e * c_expert_stride + row.to(tl.int64) * HW + w
@@ -583,13 +589,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride, t, u,
-                    K: tl.constexpr, TILES: tl.constexpr):
-        """Unit u (clamped to the last) = (expert j, K tile): the pair, its tile's first word, codes, scales."""
+                    K: tl.constexpr, TILES: tl.constexpr, TILE_WORDS: tl.constexpr):
+        """Unit u (clamped to the last) = (expert j, K tile): the pair, its tile's first word, codes, scales;
+        TILE_WORDS as in `_gate_tiles`."""
         u = tl.minimum(u, K * TILES - 1)
         p = t * K + u // TILES
         e = tl.load(ids_ptr + p).to(tl.int64)
-        wb = (u % TILES) * 16
-        return (tl.load(w2c_ptr + e * c_expert_stride + c_row + wb),
+        tile = u % TILES
+        wb = tile * 16
+        return (tl.load(w2c_ptr + e * c_expert_stride + c_row + tile * TILE_WORDS),
                 tl.load(w2s_ptr + e * s_expert_stride + s_row + wb // 2), p, wb)
 
     @triton.jit
@@ -597,13 +605,17 @@ if HAVE_TRITON:
                          out_row_stride, c_expert_stride, s_expert_stride,
                          IW: tl.constexpr, K: tl.constexpr, TH: tl.constexpr, S: tl.constexpr,
                          PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, SELECTOR_FMA: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, TILED: tl.constexpr = False):
         t = tl.program_id(0)
         rb = tl.program_id(1)
         g, sp, rho, w = _tile_coords(S, 2)
         row = 16 * rb + 8 * rho + g
         TILES: tl.constexpr = IW // 16
-        c_row = row.to(tl.int64) * IW + w
+        TILE_WORDS: tl.constexpr = 256 if TILED else 16
+        if TILED:   # the 16 rows' K tiles of 16 words stored tile by tile (`tile_codes`)
+            c_row = rb.to(tl.int64) * (16 * IW) + (row - 16 * rb) * 16 + w
+        else:
+            c_row = row.to(tl.int64) * IW + w
         if USE_ASM:
             s_row = row * (IW // 2) + 2 * (w // 4) + (w % 2)
             x_col = tl.minimum(g, TH - 1) * (IW * 8) + 16 * rho + w
@@ -613,16 +625,16 @@ if HAVE_TRITON:
         acc = tl.zeros((16 * S, 16), dtype=tl.float32)
         # units (expert j, K tile): warp s takes units s, s + S, ...; loads PREFETCH units ahead
         c, s, p, wb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride, s_expert_stride,
-                                  t, sp, K, TILES)
+                                  t, sp, K, TILES, TILE_WORDS)
         if PREFETCH == 2:
             dc, ds, dp, db = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride,
-                                         s_expert_stride, t, sp + S, K, TILES)
+                                         s_expert_stride, t, sp + S, K, TILES, TILE_WORDS)
         # The first tiles load before the PDL wait: the planes are constant and the expert ids come from the
         # routing, which finished before gate-up (the kernel before) could start; only h is gate-up's.
         pdl_start(PDL)
         for u0 in tl.range(0, K * TILES, S, loop_unroll_factor=PREFETCH):
             nc, ns, np_, nb = _down_tiles(ids_ptr, w2c_ptr, w2s_ptr, c_row, s_row, c_expert_stride,
-                                          s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES)
+                                          s_expert_stride, t, u0 + PREFETCH * S + sp, K, TILES, TILE_WORDS)
             xb = hp_ptr + p.to(tl.int64) * (TH * IW * 8) + x_col + wb * 8
             if USE_ASM:
                 x0, x1, x2, x3 = _b_fragments(xb)
@@ -682,30 +694,32 @@ def _decode_fma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
 
 def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch.Tensor, w1s: torch.Tensor,
                 w3c: torch.Tensor, w3s: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor, limit: float | None,
-                out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | tuple | None = None) -> None:
+                out: torch.Tensor, k: int, cfg: DecodeConfig, xp: torch.Tensor | tuple | None = None,
+                tiled: bool = False) -> None:
     n, hidden = x.shape
     inter = w1c.shape[1]
     hp = None
     if w2_fp8.fp8_gate_up_takes(x, hidden, inter, cfg.fp8_gate_up):   # Hopper: e4m3 into wgmma
         xq = xp if isinstance(xp, tuple) else w2_fp8.pack_x(x)
+        variant = w2_fp8.variant_for(n)._replace(tiled=tiled)
 
         def gate_up(fp8_h: bool):
-            return w2_fp8.gate_up(*xq, ids, rw, w1c, w1s, w3c, w3s, limit, k, th=2, fp8_h=fp8_h)
+            return w2_fp8.gate_up(*xq, ids, rw, w1c, w1s, w3c, w3s, limit, k, th=2, variant=variant, fp8_h=fp8_h)
         if w2_fp8_down.fp8_down_takes(x, hidden, inter, k, cfg.fp8_down) and kernel_or_fallback(
-                "fp8 down", "MOEBOX_FP8_DOWN", lambda: w2_fp8_down.down(*gate_up(True), ids, w2c, w2s, out, k) is out,
-                lambda: False):
+                "fp8 down", "MOEBOX_FP8_DOWN",
+                lambda: w2_fp8_down.down(*gate_up(True), ids, w2c, w2s, out, k, tiled=tiled) is out, lambda: False):
             return
         hp = kernel_or_fallback("fp8 gate-up", "MOEBOX_FP8_GATE_UP", lambda: gate_up(False), lambda: None)
     if hp is None:
         if xp is None or isinstance(xp, tuple):
             xp = _pack_x(x, _empty_packed(x))
-        hp = _gate_up_mma(x, xp, ids, rw, w1c, w1s, w3c, w3s, limit, k, cfg)
+        hp = _gate_up_mma(x, xp, ids, rw, w1c, w1s, w3c, w3s, limit, k, cfg, tiled=tiled)
     iw, th = hp.shape[2], hp.shape[1]
     down_split = _pow2_block(cfg.down_split, k * (iw // 16))
     _down_mma_kernel[(n, hidden // 16)](
         hp, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, TH=th, S=down_split, PREFETCH=cfg.prefetch, USE_ASM=not interpreting(),
-        SELECTOR_FMA=cfg.selector_fma,
+        SELECTOR_FMA=cfg.selector_fma, TILED=tiled,
         num_warps=down_split, num_stages=1, **pdl_args(x, _down_mma_kernel))
 
 
@@ -714,8 +728,8 @@ def _gate_up_mma(x: torch.Tensor, xp: torch.Tensor, ids: torch.Tensor, rw: torch
                  cfg: DecodeConfig, loads_only: bool = False, tiled: bool = False) -> torch.Tensor:
     """Launch the mma gate-up kernel on x packed into xp -> h as bf16 terms in the pair layout (int32 [N k, T_h,
     I/16, 8]), what the down kernel reads. Apart from `_decode_mma` so that a bench can time it alone;
-    loads_only: the probe's kernel without the math (`_xor_word_dot`); tiled: the probe's codes addressed tile by
-    tile (wrong values). Either makes h meaningless."""
+    loads_only: the probe's kernel without the math (`_xor_word_dot`, h meaningless); tiled: the codes stored tile
+    by tile (`tile_codes`; on row-major codes the bench's probe of that order, h meaningless)."""
     n, hidden = x.shape
     inter = w1c.shape[1]
     hw, iw = hidden // 16, inter // 16
@@ -817,9 +831,12 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
                         w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
                         w3_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
                         limit: float | None, *, out: torch.Tensor | None = None,
-                        config: DecodeConfig | None = None, packed: PackedX | None = None) -> torch.Tensor:
+                        config: DecodeConfig | None = None, packed: PackedX | None = None,
+                        tiled: bool = False) -> torch.Tensor:
     """The Triton path with w1/w3/w2 given apart (stacked tensors or zero-copy layer-buffer views).
     `packed`: `pack_x_ahead`'s x, packed on a side stream (the mma kernels then launch no packing of their own).
+    `tiled`: the three matrices' codes are stored tile by tile (`tile_codes`; their scales row-major), which the
+    mma and FP8 kernels read; the fma ones cannot (ValueError).
     `config.transpose_x` adds one small copy kernel that word-transposes x so kernel 1 reads it with
     unit stride (vector loads) instead of stride-16 gathers: which is faster is for the bench to say.
 
@@ -847,7 +864,10 @@ def w2_moe_decode_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torc
     w1c, w3c, w2c = (c.view(torch.int32) for c in (w1_codes, w3_codes, w2_codes))
     w1s, w3s, w2s = (_u8(s) for s in (w1_scales, w3_scales, w2_scales))
     if _takes_mma(config, hidden, inter, (w1c, w3c, w2c)):
-        _decode_mma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config, xp)
+        _decode_mma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config, xp, tiled)
+    elif tiled:
+        raise ValueError("codes stored tile by tile need the mma kernels (variant 'mma', H and I multiples of 256, "
+                         "16-byte aligned codes)")
     else:
         _decode_fma(x, ids, rw, w1c, w1s, w3c, w3s, w2c, w2s, limit, out, k, config)
     return out
@@ -861,12 +881,13 @@ def _split_w13(w13_codes: torch.Tensor, w13_scales: torch.Tensor):
 def w2_moe_decode_triton(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                          w13_codes: torch.Tensor, w13_scales: torch.Tensor, w2_codes: torch.Tensor,
                          w2_scales: torch.Tensor, limit: float | None, *, out: torch.Tensor | None = None,
-                         config: DecodeConfig | None = None) -> torch.Tensor:
+                         config: DecodeConfig | None = None, tiled: bool = False) -> torch.Tensor:
     """The Triton path on stacked planes: w13_codes uint8 [E, 2I, H/4] (w1 rows, then w3 rows),
-    w13_scales E8M0 [E, 2I, H/32], w2_codes uint8 [E, H, I/4], w2_scales E8M0 [E, H, I/32]."""
+    w13_scales E8M0 [E, 2I, H/32], w2_codes uint8 [E, H, I/4], w2_scales E8M0 [E, H, I/32]; tiled: the codes
+    stored tile by tile (`tile_codes` of each)."""
     w1c, w1s, w3c, w3s = _split_w13(w13_codes, w13_scales)
     return w2_moe_decode_split(x, expert_ids, weights, w1c, w1s, w3c, w3s, w2_codes, w2_scales, limit,
-                               out=out, config=config)
+                               out=out, config=config, tiled=tiled)
 
 
 def w2_moe_decode_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -964,10 +985,25 @@ def miss_routes(tokens: int, experts: int, k: int, per_expert: int, l2_miss_byte
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes uint8 [E, rows, cols/4] -> the same bytes tile by tile, viewed [E, rows, cols/4] again: each 16-row
-    block's K tiles of 16 words (1 KB each) contiguous, the order the probes' TILED modes read."""
+    """Codes uint8 [E, rows, cols/4] (rows contiguous within an expert, any expert stride) -> a new contiguous
+    tensor of the same bytes tile by tile, viewed [E, rows, cols/4] again: each 16-row block's K tiles of 16 words
+    (1 KB each) contiguous, the order the decode kernels read with `tiled` (`w2_moe_decode_split`)."""
     e, rows, nb = codes.shape
     return codes.view(e, rows // 16, 16, nb // 64, 64).permute(0, 1, 3, 2, 4).contiguous().view(e, rows, nb)
+
+
+def untile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """`tile_codes`'s inverse: codes stored tile by tile [E, rows, cols/4] -> a new row-major tensor."""
+    e, rows, nb = codes.shape
+    return codes.reshape(e, rows // 16, nb // 64, 16, 64).permute(0, 1, 3, 2, 4).contiguous().view(e, rows, nb)
+
+
+def tile_layer_codes(buf: torch.Tensor, hidden: int, intermediate: int) -> None:
+    """A plane-store layer buffer's w1, w3 and w2 codes relaid tile by tile in place (`tile_codes`; scales
+    untouched): the layer views then go to `w2_moe_decode_split(..., tiled=True)`. Needs the room of one
+    matrix's codes for all experts (0.5 GB for V4-Flash)."""
+    for codes in layer_views(buf, hidden, intermediate)[::2]:
+        codes.copy_(tile_codes(codes))
 
 
 def gate_up_operands(w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,

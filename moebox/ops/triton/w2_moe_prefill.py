@@ -28,7 +28,8 @@ which is also what Triton's interpreter runs (its bf16 dot is broken). h is roun
 results differ from the fp32 reference by ~bf16 rounding; fp32 agrees to fp32 rounding.
 
 Layout: the planes as `w2_moe_decode_split` takes them (stacked tensors or zero-copy plane-store layer views),
-H and I multiples of BLOCK_K (64, or 32 when they are not).
+H and I multiples of BLOCK_K (64, or 32 when they are not); with `tiled` the codes tile by tile (`w2_moe.tile_codes`),
+which the "rows" kernels read (H and I multiples of 256; a row's 8 bytes a step, the next tile after 8 steps).
 `python -m moebox.ops.triton.w2_moe_prefill` times it at the V4-Flash expert shapes against a bf16 matmul.
 """
 
@@ -190,29 +191,46 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True).to(DT)
 
     @triton.jit
+    def _row_codes(rows, KC: tl.constexpr, TILED: tl.constexpr):
+        """Byte offsets [BLOCK_N, 8] of the rows' first 32 inputs in an expert's codes (KC inputs a row): row-major,
+        or tile by tile (`w2_moe.tile_codes`: 16 rows x 64 bytes a 1 KB tile, a row's tiles 1 KB apart)."""
+        if TILED:
+            return (rows // 16 * (4 * KC) + rows % 16 * 64)[:, None] + tl.arange(0, 8)[None, :]
+        return rows[:, None] * (KC // 4) + tl.arange(0, 8)[None, :]
+
+    @triton.jit
+    def _next_codes(c_off, k0, TILED: tl.constexpr):
+        """The offsets of the next 32 inputs after those at k0: 8 bytes on, and tile by tile the next tile after
+        a tile's last 8 bytes."""
+        if TILED:
+            return c_off + tl.where(k0 % 256 == 224, 1024 - 56, 8)
+        return c_off + 8
+
+    @triton.jit
     def _gate_up_rows_kernel(x_ptr, slots_ptr, bexp_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, h_ptr,
                              n_pairs, n_experts, stride_x, c_es, s_es, limit,
                              H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, HAS_LIMIT: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             DT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                             DT: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                             TILED: tl.constexpr = False):
         pdl_start(PDL)
         e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
         tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
         rows, row_ok, rows_c = _out_columns(I, BLOCK_N)
-        c_off = e * c_es + rows_c[:, None] * (H // 4) + tl.arange(0, 8)[None, :]
+        c_off = e * c_es + _row_codes(rows_c, H, TILED)
         s_off = e * s_es + rows_c * (H // 32)
         x_ptrs = x_ptr + tok[None, :] * stride_x + tl.arange(0, 32)[:, None]          # x^T [32, BLOCK_M]
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for _ in tl.range(0, H, 32, num_stages=STAGES):
+        for k0 in tl.range(0, H, 32, num_stages=STAGES):
             xt = tl.load(x_ptrs, mask=valid[None, :], other=0.0).to(DT)
             acc_g = tl.dot(_w_rows(w1c_ptr + c_off, w1s_ptr + s_off, row_ok, DT), xt, acc_g,
                            input_precision=PRECISION)
             acc_u = tl.dot(_w_rows(w3c_ptr + c_off, w3s_ptr + s_off, row_ok, DT), xt, acc_u,
                            input_precision=PRECISION)
-            c_off += 8
+            c_off = _next_codes(c_off, k0, TILED)
             s_off += 1
             x_ptrs += 32
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
@@ -223,20 +241,20 @@ if HAVE_TRITON:
     def _down_rows_kernel(h_ptr, slots_ptr, bexp_ptr, w2c_ptr, w2s_ptr, y_ptr, n_pairs, n_experts, c_es, s_es,
                           H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, DT: tl.constexpr, PRECISION: tl.constexpr,
-                          STAGES: tl.constexpr, PDL: tl.constexpr):
+                          STAGES: tl.constexpr, PDL: tl.constexpr, TILED: tl.constexpr = False):
         pdl_start(PDL)
         e, slot, pair, valid = _block(slots_ptr, bexp_ptr, n_pairs, BLOCK_M)
         if e >= n_experts:
             return
         cols, col_ok, cols_c = _out_columns(H, BLOCK_N)
-        c_off = e * c_es + cols_c[:, None] * (I // 4) + tl.arange(0, 8)[None, :]
+        c_off = e * c_es + _row_codes(cols_c, I, TILED)
         s_off = e * s_es + cols_c * (I // 32)
         h_ptrs = h_ptr + slot.to(tl.int64)[None, :] * I + tl.arange(0, 32)[:, None]    # h^T [32, BLOCK_M]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for _ in tl.range(0, I, 32, num_stages=STAGES):
+        for k0 in tl.range(0, I, 32, num_stages=STAGES):
             acc = tl.dot(_w_rows(w2c_ptr + c_off, w2s_ptr + s_off, col_ok, DT), tl.load(h_ptrs), acc,
                          input_precision=PRECISION)
-            c_off += 8
+            c_off = _next_codes(c_off, k0, TILED)
             s_off += 1
             h_ptrs += 32
         dst = y_ptr + tl.where(valid, pair, 0).to(tl.int64)[None, :] * H + cols[:, None]
@@ -253,9 +271,11 @@ def _tl_dtype(dtype: torch.dtype):
 def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                          w1_codes: torch.Tensor, w1_scales: torch.Tensor, w3_codes: torch.Tensor,
                          w3_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
-                         limit: float | None, *, config: PrefillConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                         limit: float | None, *, config: PrefillConfig = DEFAULT_CONFIG,
+                         tiled: bool = False) -> torch.Tensor:
     """x [N, H] bf16/fp16/fp32, expert_ids [N, k], weights [N, k] -> [N, H] in x's dtype. Planes as
-    `w2_moe_decode_split` takes them. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
+    `w2_moe_decode_split` takes them (tiled: the codes tile by tile, which the "rows" variant reads, with H and
+    I multiples of 256). Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
     if not HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     if x.dtype not in _DOT_DTYPES:
@@ -265,7 +285,10 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     n_experts, inter = w1_codes.shape[0], w1_codes.shape[1]
     rows = config.variant == "rows"
     block_k = 32 if rows else config.block_k or (64 if hidden % 64 == 0 and inter % 64 == 0 else 32)
-    check_layer_planes(hidden, inter, block_k, w1_codes, w1_scales, w3_codes, w3_scales, w2_codes, w2_scales)
+    check_layer_planes(hidden, inter, 256 if tiled else block_k, w1_codes, w1_scales, w3_codes, w3_scales,
+                       w2_codes, w2_scales)
+    if tiled and not rows:
+        raise ValueError(f"codes stored tile by tile need the prefill variant 'rows', not {config.variant!r}")
     if n == 0:
         return torch.empty_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -287,9 +310,10 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
     gate_grid, down_grid = (blocks, cdiv(inter, bn)), (blocks, cdiv(hidden, bn))
     gate_kw = dict(TOP_K=k, HAS_LIMIT=bool(limit))
     if rows:
-        _gate_up_rows_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common,
+        _gate_up_rows_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common, TILED=tiled,
                                         **pdl_args(x, _gate_up_rows_kernel))
-        _down_rows_kernel[down_grid](*down_args, H=hidden, I=inter, **common, **pdl_args(x, _down_rows_kernel))
+        _down_rows_kernel[down_grid](*down_args, H=hidden, I=inter, **common, TILED=tiled,
+                                     **pdl_args(x, _down_rows_kernel))
     else:
         _gate_up_kernel[gate_grid](*gate_args, H=hidden, I=inter, **gate_kw, **common, **pdl_args(x, _gate_up_kernel))
         _down_kernel[down_grid](*down_args, H=hidden, I=inter, **common, **pdl_args(x, _down_kernel))
@@ -298,12 +322,13 @@ def w2_moe_prefill_split(x: torch.Tensor, expert_ids: torch.Tensor, weights: tor
 
 def w2_moe_prefill(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w13_codes: torch.Tensor,
                    w13_scales: torch.Tensor, w2_codes: torch.Tensor, w2_scales: torch.Tensor,
-                   limit: float | None, *, config: PrefillConfig = DEFAULT_CONFIG) -> torch.Tensor:
+                   limit: float | None, *, config: PrefillConfig = DEFAULT_CONFIG, tiled: bool = False
+                   ) -> torch.Tensor:
     """The Triton path on stacked planes (w13 = w1 rows then w3 rows, as `w2_moe_decode_triton` takes them)."""
     inter = w13_codes.shape[1] // 2
     return w2_moe_prefill_split(x, expert_ids, weights, w13_codes[:, :inter], w13_scales[:, :inter],
                                 w13_codes[:, inter:], w13_scales[:, inter:], w2_codes, w2_scales, limit,
-                                config=config)
+                                config=config, tiled=tiled)
 
 
 # ----------------------------------------------------------------------------------------------- bench
@@ -316,12 +341,15 @@ SWEEP = [replace(_TILE, **kw) for kw in (
 
 
 def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter: int = 2048, experts: int = 256,
-          k: int = 6, sweep: bool = False) -> None:
+          k: int = 6, sweep: bool = False, tiled: bool = False) -> None:
     """Time the prefill kernels at the V4-Flash expert shapes (random planes and routing, bf16 x) and compare
     their rate with a bf16 matmul of the same FLOPs; `sweep`: every tiling of SWEEP, each checked against the
-    fp32 reference at 64 tokens before it is timed."""
+    fp32 reference at 64 tokens before it is timed; `tiled`: the default tiling also on the codes stored tile by
+    tile."""
+    from moebox.ops.triton.w2_moe import tile_codes
     bench_start()
     planes = random_planes(experts, hidden, inter, device="cuda")
+    tiled_planes = (tile_codes(planes[0]), planes[1], tile_codes(planes[2]), planes[3])
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = triton.testing.do_bench(lambda: a @ a, warmup=5, rep=50)
     mm_rate = 2 * 8192 ** 3 / (mm_ms * 1e-3)
@@ -329,13 +357,16 @@ def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter
     ids, w = random_routing(64, experts, k, device="cuda", seed=1)
     x = torch.randn(64, hidden, device="cuda", dtype=torch.bfloat16)
     ref = w2_moe_decode_reference(x.float(), ids, w, *planes, 10.0)
-    for cfg in SWEEP if sweep else [DEFAULT_CONFIG]:
-        y = w2_moe_prefill(x, ids, w, *planes, 10.0, config=cfg)
-        print(f"{cfg}: rel err vs the fp32 reference at 64 tokens {float((y.float() - ref).norm() / ref.norm()):.2e}")
+    runs = [(cfg, False) for cfg in (SWEEP if sweep else [DEFAULT_CONFIG])] + ([(DEFAULT_CONFIG, True)] * tiled)
+    for cfg, t in runs:
+        p = tiled_planes if t else planes
+        y = w2_moe_prefill(x, ids, w, *p, 10.0, config=cfg, tiled=t)
+        print(f"{cfg}{', codes tile by tile' if t else ''}: rel err vs the fp32 reference at 64 tokens "
+              f"{float((y.float() - ref).norm() / ref.norm()):.2e}")
         for n in tokens:
             ids_n, w_n = random_routing(n, experts, k, device="cuda", seed=n)
             x_n = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
-            ms = triton.testing.do_bench(lambda: w2_moe_prefill(x_n, ids_n, w_n, *planes, 10.0, config=cfg),
+            ms = triton.testing.do_bench(lambda: w2_moe_prefill(x_n, ids_n, w_n, *p, 10.0, config=cfg, tiled=t),
                                          warmup=3, rep=30)
             rate = 2 * 3 * n * k * hidden * inter / (ms * 1e-3)
             print(f"  N={n:5d} k={k}: {ms:8.3f} ms  {rate / 1e12:6.1f} TFLOP/s ({rate / mm_rate:.1%} of bf16 "
@@ -367,6 +398,7 @@ def sass_report(config: PrefillConfig = DEFAULT_CONFIG) -> dict:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="w2 routed-expert prefill kernels: time and check")
     p.add_argument("--sweep", action="store_true", help="time every tiling of SWEEP")
+    p.add_argument("--tiled", action="store_true", help="also time the default on codes stored tile by tile")
     p.add_argument("--sass", action="store_true",
                    help="no GPU needed: build each tiling of SWEEP for sm_90 and report its K loop's SASS")
     args = p.parse_args()
@@ -376,4 +408,4 @@ if __name__ == "__main__":
             print(f"{cfg}: {rep['instructions_per_weight']:.1f} instructions a weight, {rep['registers']} "
                   f"registers, {rep['spills']} B spilled; {dict(list(rep['loop_ops'].items())[:6])}", flush=True)
     else:
-        bench(sweep=args.sweep)
+        bench(sweep=args.sweep, tiled=args.tiled)
