@@ -84,11 +84,12 @@ def h_from_e4m3(hq: torch.Tensor, he: torch.Tensor) -> torch.Tensor:
 
 
 def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: int = 16, k: int = 6,
-               limit: float = 10.0, ring: bool = False, tiled: bool = False) -> tuple[float, float]:
+               limit: float = 10.0, ring: bool = False, tiled: bool = False, split: int = 1) -> tuple[float, float]:
     """(h's relative error: the FP8 gate-up's e4m3 h against the planes' fp64 product; out's: the FP8 down's output
     against the fp64 product of w2's planes and that h), on random planes and routing; both outputs are poisoned
     first (NaN terms, exponents of 2^1000, NaN out) and must come back finite. `ring`: the down's h ring; `tiled`:
-    both kernels on the codes tile by tile (the references on the row-major ones)."""
+    both kernels on the codes tile by tile (the references on the row-major ones); `split`: the down's programs a
+    token and row block (run twice: the second run finds the arrival counters reset)."""
     from bench.bitplane_gate_up import gate_up_reference
     from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
     from moebox.quant.w2 import W2Tensor
@@ -106,10 +107,15 @@ def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: 
     h = h_from_e4m3(hq, he)
     assert torch.isfinite(h).all(), f"{int((~torch.isfinite(h)).sum())} elements of h not written"
     ref_h = gate_up_reference(x.float(), ids, rw, *planes, limit, quantized=False)
-    out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
     codes = w2_moe.tile_codes(w2c) if tiled else w2c
-    w2_fp8_down.down(hq, he, flat, codes.view(torch.int32), w2s.view(torch.uint8), out, k, ring=ring, tiled=tiled)
-    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements of out not written"
+    outs = []
+    for _ in range(2):
+        out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
+        w2_fp8_down.down(hq, he, flat, codes.view(torch.int32), w2s.view(torch.uint8), out, k, ring=ring, tiled=tiled,
+                         split=split)
+        assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements of out not written"
+        outs.append(out)
+    assert torch.equal(*outs), "a second call gave another output"
     ref = torch.zeros((tokens, hidden), dtype=torch.float64, device=device)
     for p, e in enumerate(flat.tolist()):
         ref[p // k] += W2Tensor(w2c[e], w2s[e]).dequantize(torch.float64) @ h[p].double()
@@ -147,18 +153,20 @@ def bench(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts:
     return rows
 
 
-DOWN_FORMS = ((False, False), (True, False), (False, True), (True, True))    # (ring, tiled)
+# (ring, tiled, split): h staged whole or by the ring, codes row-major or tile by tile, 1 or 2 programs a token
+DOWN_FORMS = ((False, False, 1), (True, False, 1), (False, False, 2), (False, True, 1), (True, True, 1),
+              (False, True, 2))
 
 
-def _down_name(ring: bool, tiled: bool) -> str:
-    return f"{'ring' if ring else 'whole h'}{' tiled' if tiled else ''}"
+def _down_name(ring: bool, tiled: bool, split: int) -> str:
+    return f"{'ring' if ring else 'split' if split > 1 else 'whole h'}{' tiled' if tiled else ''}"
 
 
 def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, experts: int = 256, k: int = 6,
                l2_miss_bytes: int = 256 << 20, rep: int = 100) -> list[dict]:
-    """us a call of the FP8 down alone in each of `DOWN_FORMS` (h staged whole or by the two-expert ring; w2's
-    codes row-major or tile by tile), on h that the FP8 gate-up wrote, CUDA-graph replay of back-to-back calls on
-    routings whose planes miss L2."""
+    """us a call of the FP8 down alone in each of `DOWN_FORMS` (h staged whole, by the two-expert ring, or whole
+    for each half of the experts in programs of their own; w2's codes row-major or tile by tile), on h that the FP8
+    gate-up wrote, CUDA-graph replay of back-to-back calls on routings whose planes miss L2."""
     from moebox.ops.triton import w2_fp8, w2_fp8_down, w2_moe
     from moebox.ops.triton.fp8_linear import copy_bandwidth
     from moebox.ops.triton.runtime import graph_us
@@ -178,8 +186,9 @@ def bench_down(tokens: Sequence[int], hidden: int = 4096, inter: int = 2048, exp
         x = torch.randn((n, hidden), device=device).to(torch.bfloat16)
         hs = [w2_fp8.gate_up(*w2_fp8.pack_x(x), f[0], f[1], *ops, 10.0, k, th=2, fp8_h=True) for f in flat]
         out = torch.empty((n, hidden), dtype=torch.bfloat16, device=device)
-        us = [graph_us([lambda f=f, h=h: w2_fp8_down.down(*h, f[0], codes[tiled], w2s, out, k, ring=ring, tiled=tiled)
-                        for f, h in zip(flat, hs)], rep) for ring, tiled in DOWN_FORMS]
+        us = [graph_us([lambda f=f, h=h: w2_fp8_down.down(*h, f[0], codes[tiled], w2s, out, k, ring=ring, tiled=tiled,
+                                                           split=split) for f, h in zip(flat, hs)], rep)
+              for ring, tiled, split in DOWN_FORMS]
         rows.append({"tokens": n, "bytes": nbytes, **dict(zip(names, us))})
         cells = [f"{u:.1f}; {100 * nbytes / (u * 1e-6) / copy:.0f}%" for u in us]
         print(" ".join(f"{c:>14s}" for c in [str(n), f"{nbytes / 1e6:.1f}"] + cells), flush=True)
@@ -204,9 +213,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for v in VARIANTS:
         print(f"check {_name(v)}: rel. error of h against the planes' fp64 product {check(v):.2e}, at H = 1536 "
               f"{check(v, hidden=1536):.2e}", flush=True)
-    for ring, tiled in DOWN_FORMS:
-        err_h, err_out = check_down(ring=ring, tiled=tiled)
-        print(f"check down {_down_name(ring, tiled)}: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 "
+    for form in DOWN_FORMS:
+        err_h, err_out = check_down(**dict(zip(("ring", "tiled", "split"), form)))
+        print(f"check down {_down_name(*form)}: rel. error of e4m3 h {err_h:.2e}, of out against W2 h in fp64 "
               f"{err_out:.2e}", flush=True)
     if args.down:
         bench_down(args.tokens)

@@ -341,6 +341,17 @@ def test_gpu_decode_on_codes_tile_by_tile_matches_reference(n: int) -> None:
     _check_gpu(SMALL, n, torch.float32, limit=3.0, tiled=True)
 
 
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_with_the_fp8_down_split_matches_reference(n: int, tiled: bool, monkeypatch) -> None:
+    """MOEBOX_FP8_DOWN_SPLIT=1 (on sm_90, from 8 tokens: each token's experts over two FP8 down programs, the
+    second to finish adding the first's sum): within bf16 rounding, the same bits on a second call."""
+    monkeypatch.setenv("MOEBOX_FP8_DOWN_SPLIT", "1")
+    _check_gpu(V4_FLASH, n, torch.bfloat16, limit=3.0, tiled=tiled)
+
+
 @pytest.mark.parametrize("config", [cfg for _, cfg in SWEEP if cfg != DEFAULT_CONFIG],
                          ids=[name for name, cfg in SWEEP if cfg != DEFAULT_CONFIG])
 @pytest.mark.parametrize("n", [1, 3])

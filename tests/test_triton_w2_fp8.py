@@ -132,8 +132,9 @@ def test_fp8_gate_up_builds_for_sm90() -> None:
 def test_fp8_down_and_its_gate_up_build_for_sm90() -> None:
     """The FP8 down kernel's sm_90 build: 16 native e4m3 wgmmas in its inner loop (a pair of K steps), no CTA
     barrier, no spills (Triton 3.9 spilled with the experts' loop not unrolled), and at most 128 registers (two
-    programs an SM, as many as its 96 KB of h allow); with the h ring, three programs an SM fit; the same holds for
-    codes stored tile by tile; the gate-up that writes e4m3 h for it keeps the bf16-h build's loop and registers."""
+    programs an SM, as many as its 96 KB of h allow); with the h ring, and with each token's experts split over two
+    programs, three programs an SM fit; the same holds for codes stored tile by tile; the gate-up that writes e4m3 h
+    for it keeps the bf16-h build's loop and registers."""
     import triton
     from moebox.ops.triton import w2_fp8_down
     for tiled in (False, True):
@@ -147,9 +148,29 @@ def test_fp8_down_and_its_gate_up_build_for_sm90() -> None:
         assert rep["loop_ops"]["QGMMA"] == 16 and rep["loop_ops"].get("BAR", 0) <= (
             0 if triton.__version__.startswith("3.6") else 1), rep
         assert rep["registers"] <= w2_fp8_down.RING_REGISTERS and 3 * (ring.metadata.shared + 1024) <= 228 << 10, rep
+        # two programs a token, each on half of the experts: three an SM fit, no barrier in the pair loop
+        split = w2_fp8_down.build_sm90(split=2, tiled=tiled)
+        rep = w2_fp8_down.sass_report(split=2, tiled=tiled)
+        assert rep["loop_ops"]["QGMMA"] == 16 and "BAR" not in rep["loop_ops"], rep
+        assert rep["registers"] <= w2_fp8_down.RING_REGISTERS and 3 * (split.metadata.shared + 1024) <= 228 << 10, rep
     rep = w2_fp8.sass_report(fp8_h=True)
     assert rep["loop_ops"]["QGMMA"] == 16 and rep["spills"] == 0, rep
     assert rep["registers"] <= (80 if triton.__version__.startswith("3.6") else 128)
+
+
+@pytest.mark.skipif(not w2_fp8.HAVE_GLUON, reason="needs triton with Gluon")
+def test_fp8_down_split_takes_an_even_k_and_h_staged_whole(monkeypatch) -> None:
+    """Two programs a token and row block split its experts evenly and stage their h whole: MOEBOX_FP8_DOWN_SPLIT=1
+    asks for them where that holds, and asking for them elsewhere is refused before any launch."""
+    from moebox.ops.triton import w2_fp8_down
+    monkeypatch.setenv("MOEBOX_FP8_DOWN_SPLIT", "1")
+    assert [w2_fp8_down.split_for(k, ring) for k, ring in ((6, False), (3, False), (6, True))] == [2, 1, 1]
+    monkeypatch.setenv("MOEBOX_FP8_DOWN_SPLIT", "0")
+    assert w2_fp8_down.split_for(6, False) == 1
+    z, out = torch.zeros(1), torch.empty(1, 128)
+    for kw in (dict(k=3, split=2), dict(k=6, split=2, ring=True), dict(k=6, split=3)):
+        with pytest.raises(ValueError, match="split"):
+            w2_fp8_down.down(z, z, z, torch.zeros(1, 128, 8), z, out, **kw)
 
 
 @pytest.mark.gpu
@@ -172,18 +193,25 @@ def test_gpu_fp8_gate_up_matches_the_planes_product() -> None:
         assert check(variant, hidden=1536) < 2e-3, variant
 
 
+_DOWN_CASES = [(shape, form) for shape in (dict(), dict(tokens=2, hidden=512, inter=1536, k=3),
+                                            dict(tokens=5, hidden=512, inter=1536, k=4))
+               for form in ((False, False, 1), (True, False, 1), (False, True, 1), (True, True, 1), (False, False, 2),
+                            (False, True, 2)) if form[2] == 1 or shape.get("k", 6) % 2 == 0]
+
+
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("ring,tiled", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("shape", [dict(), dict(tokens=2, hidden=512, inter=1536, k=3)])
-def test_gpu_fp8_down_matches_the_planes_product(shape, ring, tiled) -> None:
+@pytest.mark.parametrize("shape,form", _DOWN_CASES, ids=[f"{s}-{f}" for s, f in _DOWN_CASES])
+def test_gpu_fp8_down_matches_the_planes_product(shape, form) -> None:
     """The gate-up's e4m3 h against the planes' fp64 product, and the FP8 down's output against w2's fp64 product
-    with that h (both poisoned first): within bf16 rounding. The V4-Flash shape, and a
-    small one whose rows are shorter than a program's scale read and whose chunk count is not a power of two
-    (k = 3: the h ring refills one slot); h staged whole and by the ring; the kernels on codes row-major and tile
-    by tile (the references on the row-major ones)."""
+    with that h (both poisoned first): within bf16 rounding, the same bits on a second call. The V4-Flash shape,
+    and small ones whose rows are shorter than a program's scale read and whose chunk count is not a power of two
+    (k = 3: the h ring refills one slot); each form (ring, tiled, split): h staged whole and by the ring, the
+    kernels on codes row-major and tile by tile (the references on the row-major ones), one program a token and
+    row block or two (each on half of the experts, the second adding the first's sum)."""
     from bench.fp8_gate_up import check_down
-    err_h, err_out = check_down(**shape, ring=ring, tiled=tiled)
+    ring, tiled, split = form
+    err_h, err_out = check_down(**shape, ring=ring, tiled=tiled, split=split)
     assert err_h < 2e-3 and err_out < 4e-3, (err_h, err_out)
 
 

@@ -29,9 +29,15 @@ tokens: 33.7 us alone, where the whole call with the mma down takes 52.5 and its
 
 Opt-in, not yet timed (fifty-third session): MOEBOX_FP8_DOWN_RING=1 stages h two experts at a time (a 2-slot ring,
 32 KB) and caps registers at 80 (80 B spilled), so three programs fit an SM where 94 registers and 96 KB of h
-allowed two (Nsight Compute, fifty-second session: 59% of DRAM peak at 8 tokens). With `tiled` it reads w2's codes
-stored tile by tile (`w2_moe.tile_codes`; the sm_90 build with Triton 3.6: 90 registers and 346 instructions a
-pair loop against 94 and 357)."""
+allowed two (Nsight Compute, fifty-second session: 59% of DRAM peak at 8 tokens). But at 8 tokens the grid is 256
+programs, under two an SM of the H100's 132 (ncu's 22.6% occupancy is the grid's), so the ring can only add
+programs an SM from 16 tokens. MOEBOX_FP8_DOWN_SPLIT=1 (fifty-fourth session, not yet timed) doubles the programs
+instead: two a token and row block, each on half of the experts and staging only their h (48 KB), registers capped
+at 80 (40 B spilled), three an SM; each stores its fp32 sum, and the second to arrive (an acq_rel atomic on the
+block's counter, after a CTA barrier) adds the other's and writes the output: a + b is b + a, so the result is the
+same whichever finishes first, and that program sets the counter back to zero for the next call. With `tiled` the
+kernel reads w2's codes stored tile by tile (`w2_moe.tile_codes`; the sm_90 build with Triton 3.6: 90 registers and
+346 instructions a pair loop against 94 and 357)."""
 
 from __future__ import annotations
 
@@ -102,16 +108,21 @@ if w2_fp8.HAVE_GLUON:
         return acc + _step_mma(a0, a1, h_smem, u, zero) * scale
 
     @gluon.jit
-    def _fp8_down_kernel(h_desc, he_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr, out_row_stride, c_expert_stride,
-                         s_expert_stride, IW: gl.constexpr, K: gl.constexpr, T: gl.constexpr,
+    def _fp8_down_kernel(h_desc, he_ptr, ids_ptr, w2c_ptr, w2s_ptr, out_ptr, part_ptr, cnt_ptr, out_row_stride,
+                         c_expert_stride, s_expert_stride, IW: gl.constexpr, K: gl.constexpr, T: gl.constexpr,
                          CHUNKS_P2: gl.constexpr, PDL: gl.constexpr, RING: gl.constexpr = False,
-                         TILED: gl.constexpr = False):
+                         TILED: gl.constexpr = False, SPLIT: gl.constexpr = 1):
         STEPS: gl.constexpr = IW // 16          # K steps of one expert
         PAIRS: gl.constexpr = STEPS // 2
-        UNITS: gl.constexpr = K * PAIRS
+        KS: gl.constexpr = K // SPLIT           # experts a program
         CHUNKS: gl.constexpr = IW // 4          # 64-column chunks of a pair's h
         tok = gl.program_id(0)
         rb = gl.program_id(1)                   # rows 128 rb .. 128 rb + 127 of H
+        if SPLIT == 1:
+            j0 = 0
+        else:                                   # experts j0 .. j0 + KS - 1 of the token
+            j0 = gl.program_id(2) * KS
+        last = (j0 + KS) * PAIRS - 1            # the program's last unit
         m = gl.arange(0, 128, layout=gl.SliceLayout(1, _LW))
         w = gl.arange(0, 16, layout=gl.SliceLayout(0, _LW))
         row = rb * 128 + m
@@ -127,9 +138,9 @@ if w2_fp8.HAVE_GLUON:
         # The first units' planes load before the PDL wait: they are constant, and the ids are the routing's,
         # which finished before gate-up (the kernel before) could start; only h is gate-up's.
         codes, sc, codes_b, sc_b = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off, c_expert_stride,
-                                              s_expert_stride, tok, 0, K, PAIRS, C_STEP)
+                                              s_expert_stride, tok, j0 * PAIRS, K, PAIRS, C_STEP)
         pdl_start(PDL)
-        first = tok * (2 * K * STEPS)           # the token's first box of h terms
+        first = (tok * K + j0) * (2 * STEPS)    # the program's first box of h terms
         if RING:    # two experts' h at a time (32 KB for V4-Flash, not 96): room for three programs an SM
             h_smem = gl.allocate_shared_memory(gl.float8e4nv, [4 * STEPS, 8, 128], _XS)
             bars = gl.allocate_shared_memory(gl.int64, [K, 1], mbarrier.MBarrierLayout())
@@ -139,13 +150,14 @@ if w2_fp8.HAVE_GLUON:
             for j in gl.static_range(2 if K > 1 else 1):
                 _stage_expert(h_desc, first, h_smem, bars, j, 2 * STEPS)
         else:
-            h_smem = _stage_terms(h_desc, first, 2 * K * STEPS)
+            h_smem = _stage_terms(h_desc, first, 2 * KS * STEPS)
 
         r_off = (rb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))) * (IW // 2)
         ch = gl.arange(0, CHUNKS_P2, layout=_L1)
         acc = gl.zeros([128, 8], gl.float32, _ACC)
         zero = gl.zeros([128, 8], gl.float32, _ACC)
-        for j in gl.static_range(K):    # unrolled: a loop here took Triton 3.9's build to 255 registers and spills
+        for jj in gl.static_range(KS):  # unrolled: a loop here took Triton 3.9's build to 255 registers and spills
+            j = j0 + jj
             p = tok * K + j
             e = gl.load(ids_ptr + p).to(gl.int64)
             # the expert's R a row (its scale bytes' largest) and the pair's X (its chunks' largest)
@@ -157,66 +169,111 @@ if w2_fp8.HAVE_GLUON:
             scale = gl.expand_dims(((ra - 6) << 23).to(gl.float32, bitcast=True)
                                    * ((hx + 127) << 23).to(gl.float32, bitcast=True), 1)
             if RING:
-                mbarrier.wait(bars.index(j), phase=0)
+                mbarrier.wait(bars.index(jj), phase=0)
             for v in range(PAIRS):
-                nxt = gl.minimum(j * PAIRS + v + 1, UNITS - 1)
+                nxt = gl.minimum(j * PAIRS + v + 1, last)
                 codes_n, sc_n, codes_nb, sc_nb = _load_unit(w2c_ptr, w2s_ptr, ids_ptr, c_off, s_off,
                                                             c_expert_stride, s_expert_stride, tok, nxt, K, PAIRS,
                                                             C_STEP)
-                u = ((j % 2) if RING else j) * STEPS + 2 * v
+                u = ((jj % 2) if RING else jj) * STEPS + 2 * v
                 acc = _chunk_step(acc, codes, sc, base, he_row, hx, 8 * v, h_smem, u, scale, zero)
                 acc = _chunk_step(acc, codes_b, sc_b, base, he_row, hx, 8 * v + 4, h_smem, u + 1, scale, zero)
                 codes, sc, codes_b, sc_b = codes_n, sc_n, codes_nb, sc_nb
-            if RING and j + 2 < K:      # every warp's wgmmas on slot j % 2 are done: refill it
+            if RING and jj + 2 < K:     # every warp's wgmmas on slot jj % 2 are done: refill it
                 _cta_barrier()
-                _stage_expert(h_desc, first, h_smem, bars, j + 2, 2 * STEPS)
+                _stage_expert(h_desc, first, h_smem, bars, jj + 2, 2 * STEPS)
 
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
         y = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
         rows = rb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, _ACC))
-        gl.store(out_ptr + tok.to(gl.int64) * out_row_stride + rows, y.to(out_ptr.dtype.element_ty))
+        dst = out_ptr + tok.to(gl.int64) * out_row_stride + rows
+        if SPLIT == 1:
+            gl.store(dst, y.to(out_ptr.dtype.element_ty))
+        else:   # two programs a token and row block: the second to finish adds the first's sum and writes
+            hidden = gl.num_programs(1) * 128
+            z = gl.program_id(2)
+            gl.store(part_ptr + (z * gl.num_programs(0) + tok).to(gl.int64) * hidden + rows, y)
+            _cta_barrier()              # every warp's partial stored before the release below
+            tile = cnt_ptr + tok * gl.num_programs(1) + rb
+            if gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == 1:
+                other = gl.load(part_ptr + ((1 - z) * gl.num_programs(0) + tok).to(gl.int64) * hidden + rows,
+                                cache_modifier=".cg")
+                gl.store(dst, (y + other).to(out_ptr.dtype.element_ty))   # a + b == b + a: either order
+                gl.store(tile, 0)       # ready for the next call
 
 
-def _ring_options(ring: bool) -> dict:
-    """The launch's compile options for the staging: the ring's register cap."""
-    return {"maxnreg": RING_REGISTERS} if ring else {}
+def _options(ring: bool, split: int) -> dict:
+    """The launch's compile options: the register cap of the ring and of the split (three programs an SM)."""
+    return {"maxnreg": RING_REGISTERS} if ring or split > 1 else {}
+
+
+_COUNTERS: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+
+
+def _split_counters(device: torch.device, tokens: int, blocks: int) -> torch.Tensor:
+    """int32 [>= tokens, blocks] of zeros, kept per device: the split's arrival counters, which the second program
+    of each (token, row block) resets, so they are zero again for the next call (and a CUDA graph's replays).
+    Outgrown ones are kept too: a captured graph may still point at them. Calls must not overlap on two streams
+    (the decode's routed experts run on the main stream, one layer after another)."""
+    kept = _COUNTERS.setdefault((device, blocks), [])
+    if not kept or kept[-1].shape[0] < tokens:
+        kept.append(torch.zeros((max(tokens, 16), blocks), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
+def split_for(k: int, ring: bool) -> int:
+    """Programs a token and row block: 2 where MOEBOX_FP8_DOWN_SPLIT is 1, the k experts split evenly and h
+    staged whole; else 1."""
+    return 2 if os.environ.get("MOEBOX_FP8_DOWN_SPLIT", "0") == "1" and k % 2 == 0 and not ring else 1
 
 
 def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor,
-         out: torch.Tensor, k: int, ring: bool | None = None, tiled: bool = False) -> torch.Tensor:
+         out: torch.Tensor, k: int, ring: bool | None = None, tiled: bool = False, split: int | None = None
+         ) -> torch.Tensor:
     """out [N, H] (written in full, in its dtype) = the sum over each token's k experts of W2_e h, from h as
     `w2_fp8.gate_up(..., fp8_h=True)` writes it (hq, he), flat ids [N k] and w2's planes as `w2_moe` takes them
     (int32 codes [E, H, I/16], uint8 scales [E, H, I/32], rows contiguous; tiled: the codes in tile order,
     `w2_moe.tile_codes`). `ring` (default: MOEBOX_FP8_DOWN_RING is 1): h staged two experts at a time, registers
-    capped at `RING_REGISTERS`."""
+    capped at `RING_REGISTERS`. `split` (default `split_for`): 2 programs a token and row block, each on half of
+    its experts (and their h), the second to finish adding the first's fp32 sum (no ring; k even)."""
     n, hidden = out.shape
     iw = w2c.shape[2]
     if ring is None:
         ring = os.environ.get("MOEBOX_FP8_DOWN_RING", "0") == "1"
-    _fp8_down_kernel[(n, hidden // ROWS)](
-        w2_fp8.terms_descriptor(hq), he, ids, w2c, w2s, out, out.stride(0), w2c.stride(0), w2s.stride(0),
-        IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), RING=ring, TILED=tiled, num_warps=8,
-        **_ring_options(ring), **pdl_args(out, _fp8_down_kernel))
+    split = split_for(k, ring) if split is None else split
+    if split not in (1, 2) or (split == 2 and (ring or k % 2)):
+        raise ValueError(f"split {split}: 1, or 2 with h staged whole and an even k (k = {k}, ring = {ring})")
+    if split == 2:
+        part = torch.empty((2, n, hidden), dtype=torch.float32, device=out.device)
+        cnt = _split_counters(out.device, n, hidden // ROWS)
+    else:
+        part, cnt = out, ids        # not read
+    _fp8_down_kernel[(n, hidden // ROWS, split)](
+        w2_fp8.terms_descriptor(hq), he, ids, w2c, w2s, out, part, cnt, out.stride(0), w2c.stride(0), w2s.stride(0),
+        IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), RING=ring, TILED=tiled, SPLIT=split, num_warps=8,
+        **_options(ring, split), **pdl_args(out, _fp8_down_kernel))
     return out
 
 
-def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6, ring: bool = False, tiled: bool = False):
+def build_sm90(hidden: int = 4096, inter: int = 2048, k: int = 6, ring: bool = False, tiled: bool = False,
+               split: int = 1):
     """The kernel built for sm_90 (no GPU needed), specialised as a V4-Flash launch with a bf16 output."""
     from moebox.ops.triton.runtime import build_sm90 as build
-    types = (f"tensordesc<fp8e4nv[1, 8, 128],{w2_fp8._XD.value!r}>", "*i32", "*i64", "*i32", "*u8", "*bf16", "i32",
-             "i32", "i32")
+    types = (f"tensordesc<fp8e4nv[1, 8, 128],{w2_fp8._XD.value!r}>", "*i32", "*i64", "*i32", "*u8", "*bf16",
+             "*fp32", "*i32", "i32", "i32", "i32")
     sig = dict(zip(_fp8_down_kernel.arg_names, types))
     const = dict(IW=inter // 16, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(inter // 64), PDL=True, RING=ring,
-                 TILED=tiled)
+                 TILED=tiled, SPLIT=split)
     return build(_fp8_down_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8,
-                 **_ring_options(ring))
+                 **_options(ring, split))
 
 
-def sass_report(ring: bool = False, tiled: bool = False) -> dict:
+def sass_report(ring: bool = False, tiled: bool = False, split: int = 1) -> dict:
     """The sm_90 build: registers, spill stack, and the SASS of the first expert's K loop (the shortest loop
     around the first wgmma): op counts and instructions a weight (a lane handles 2 rows x 64 columns a step, two
     steps a loop)."""
     from moebox.ops.triton.runtime import loop_sass
-    ops, registers, spills, _ = loop_sass(build_sm90(ring=ring, tiled=tiled).asm["cubin"], around="QGMMA", first=True)
+    ops, registers, spills, _ = loop_sass(build_sm90(ring=ring, tiled=tiled, split=split).asm["cubin"], around="QGMMA",
+                                          first=True)
     return {"registers": registers, "spills": spills, "loop_ops": ops,
             "instructions_per_weight": sum(ops.values()) / 256}
