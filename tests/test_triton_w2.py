@@ -342,13 +342,15 @@ def test_gpu_decode_on_codes_tile_by_tile_matches_reference(n: int) -> None:
 
 
 @pytest.mark.parametrize("tiled", [False, True])
-@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("n", [1, 3, 8, 16])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_decode_with_the_fp8_down_split_matches_reference(n: int, tiled: bool, monkeypatch) -> None:
-    """MOEBOX_FP8_DOWN_SPLIT=1 (on sm_90, from 8 tokens: each token's experts over two FP8 down programs, the
-    second to finish adding the first's sum): within bf16 rounding, the same bits on a second call."""
-    monkeypatch.setenv("MOEBOX_FP8_DOWN_SPLIT", "1")
+def test_gpu_decode_with_the_fp8_splits_matches_reference(n: int, tiled: bool, monkeypatch) -> None:
+    """MOEBOX_FP8_GATE_UP_SPLIT=1 and MOEBOX_FP8_DOWN_SPLIT=1 (on sm_90, the FP8 gate-up at every token count and
+    its down from 8 tokens, each with two programs a row block, the second to finish adding the first's sums):
+    within bf16 rounding, the same bits on a second call."""
+    for switch in ("MOEBOX_FP8_GATE_UP_SPLIT", "MOEBOX_FP8_DOWN_SPLIT", "MOEBOX_FP8_GATE_UP"):
+        monkeypatch.setenv(switch, "1")
     _check_gpu(V4_FLASH, n, torch.bfloat16, limit=3.0, tiled=tiled)
 
 

@@ -116,15 +116,27 @@ def test_h_reader_inverts_the_pair_layout_of_the_mma_gate_up() -> None:
 def test_fp8_gate_up_builds_for_sm90() -> None:
     """The sm_90 build: its layout conversions are trivial (asserted while it compiles), its K loop issues 8
     native e4m3 wgmmas a K step with A from registers and no CTA barrier, nothing spills, and with Triton 3.6 (the
-    GPU image's) the default keeps to <= 80 registers: a row's R computed before the x wait took it to 127, a third
-    fewer warps an SM (Triton 3.9 builds the same source with ~50% more registers either way)."""
+    GPU image's) the default and the split keep to <= 80 registers: a row's R computed before the x wait took it to
+    127, a third fewer warps an SM (Triton 3.9 builds the same source with ~50% more registers either way)."""
     import triton
     for variant in (w2_fp8.DEFAULT_VARIANT, w2_fp8.ONE_TOKEN_VARIANT,
-                    w2_fp8.Variant(pair=False, prefetch=2, tiled=True)):
+                    w2_fp8.Variant(pair=False, prefetch=2, tiled=True), w2_fp8.Variant(split=2)):
         rep = w2_fp8.sass_report(variant)
         steps = 2 if variant.pair else 1
         assert rep["loop_ops"]["QGMMA"] == 8 * steps and "BAR" not in rep["loop_ops"] and rep["spills"] == 0, rep
-    assert w2_fp8.sass_report()["registers"] <= (80 if triton.__version__.startswith("3.6") else 128)
+    for variant in (w2_fp8.DEFAULT_VARIANT, w2_fp8.Variant(split=2)):   # the split: 3 programs an SM at 1 token
+        assert w2_fp8.sass_report(variant)["registers"] <= (80 if triton.__version__.startswith("3.6") else 128)
+
+
+def test_gate_up_split_is_asked_for_where_two_programs_get_whole_pairs(monkeypatch) -> None:
+    """MOEBOX_FP8_GATE_UP_SPLIT=1: each row block's K over two programs, pairs one ahead at every token count, where
+    H gives each program whole pairs of K steps (a multiple of 1024); else, and by default, the variants as before."""
+    monkeypatch.setenv("MOEBOX_FP8_GATE_UP_SPLIT", "1")
+    assert w2_fp8.variant_for(1) == w2_fp8.variant_for(8) == w2_fp8.Variant(split=2)
+    assert w2_fp8.variant_for(1, tiled=True) == w2_fp8.Variant(tiled=True, split=2)
+    assert w2_fp8.variant_for(1, hidden=1536) == w2_fp8.ONE_TOKEN_VARIANT
+    monkeypatch.delenv("MOEBOX_FP8_GATE_UP_SPLIT")
+    assert (w2_fp8.variant_for(1), w2_fp8.variant_for(8)) == (w2_fp8.ONE_TOKEN_VARIANT, w2_fp8.DEFAULT_VARIANT)
 
 
 @pytest.mark.slow
@@ -186,11 +198,12 @@ def test_gpu_pack_kernel_matches_torch_bit_for_bit() -> None:
 @needs_sm90
 def test_gpu_fp8_gate_up_matches_the_planes_product() -> None:
     """Every variant of bench/fp8_gate_up.py (h poisoned with NaN first) against the planes' fp64 product: within
-    bf16 rounding, at V4-Flash's H (16 K steps) and at H = 1536 (6 steps: an odd count of pairs)."""
-    from bench.fp8_gate_up import VARIANTS, check
+    bf16 rounding and the same bits on a second call, at V4-Flash's H (16 K steps) and at an H that gives each
+    program an odd count of pairs (1536: 6 steps; 3072 for the split's two programs)."""
+    from bench.fp8_gate_up import VARIANTS, check, odd_pairs_hidden
     for variant in VARIANTS:
         assert check(variant) < 2e-3, variant
-        assert check(variant, hidden=1536) < 2e-3, variant
+        assert check(variant, hidden=odd_pairs_hidden(variant)) < 2e-3, variant
 
 
 _DOWN_CASES = [(shape, form) for shape in (dict(), dict(tokens=2, hidden=512, inter=1536, k=3),

@@ -37,10 +37,16 @@ their registers are the pair's); the codes and scales by cp.async into a 3- or 4
 registers, two CTA barriers a pair). From 2 tokens each was 1.09-1.23x slower, and at one token none beat pairs
 two ahead (17.1 against 18.2-20.7 us; H100, code in bfd41e8): with three programs an SM (70-74 registers) the
 loads' latency is not what binds.
-"""
+
+Opt-in, not yet timed (fifty-fourth session): `Variant.split` 2 (MOEBOX_FP8_GATE_UP_SPLIT=1) gives each row block
+two programs, each on half of K (and staging half of x); the second to finish adds the other's fp32 sums
+(`_split_sum`: a + b = b + a, the same bits either way) and writes h. At one token the grid is 6 x 32 = 192
+programs, 1.5 an SM, each a chain of 8 pairs (17.3 us: ~2 us a pair); split, 384 programs of 4 pairs fit one wave
+at three an SM (72 registers)."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -70,11 +76,13 @@ PACK_BLOCK = 512    # columns a program of `pack_x`
 class Variant(NamedTuple):
     """How the kernel reads its codes. pair: two K steps' codes loaded together (a row's whole 128-byte line),
     else one; prefetch: steps (pairs) ahead, 1 or 2; tiled: codes stored tile by tile (`w2_moe.tile_codes`, the
-    decode's opt-in layout; the model's planes are row-major)."""
+    decode's opt-in layout; the model's planes are row-major); split: programs a row block, each on its share of
+    K (2: the second to finish adds the other's sums, `_split_sum`)."""
 
     pair: bool = True
     prefetch: int = 1
     tiled: bool = False
+    split: int = 1
 
 
 DEFAULT_VARIANT = Variant()
@@ -82,9 +90,14 @@ DEFAULT_VARIANT = Variant()
 ONE_TOKEN_VARIANT = Variant(prefetch=2)
 
 
-def variant_for(tokens: int) -> Variant:
-    """The variant a call of this many tokens takes."""
-    return ONE_TOKEN_VARIANT if tokens == 1 else DEFAULT_VARIANT
+def variant_for(tokens: int, tiled: bool = False, hidden: int = 4096) -> Variant:
+    """The variant a call of this many tokens takes, on codes row-major or tile by tile; with
+    MOEBOX_FP8_GATE_UP_SPLIT=1 each row block's K split over two programs where H holds two programs' pairs
+    (opt-in, not yet timed: at one token the grid is 192 programs, each a chain of 8 pairs' load latencies; split,
+    pairs one ahead, 72 registers: its 384 programs fit one wave at three an SM, where two ahead's 101 take two)."""
+    if os.environ.get("MOEBOX_FP8_GATE_UP_SPLIT", "0") == "1" and hidden % (4 * STEP) == 0:
+        return DEFAULT_VARIANT._replace(tiled=tiled, split=2)
+    return (ONE_TOKEN_VARIANT if tokens == 1 else DEFAULT_VARIANT)._replace(tiled=tiled)
 
 
 def fp8_gate_up_takes(x: torch.Tensor, hidden: int, inter: int, wanted: bool = True) -> bool:
@@ -283,19 +296,61 @@ if HAVE_GLUON:
             sr = gl.maximum(sr, gl.load(wr + g0 + gr, mask=g0 + gr < GROUPS, other=0))
         return gl.max(sr.to(gl.int32), axis=1)
 
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier     # Triton 3.9 | 3.6
+
+    @gluon.jit
+    def _split_sum(y, part_ptr, cnt_ptr, tile, tiles, z):
+        """One of the two programs that split a tile's K: its fp32 sums y (a row vector) stored at slot
+        (z, tile) of part_ptr ([2, tiles, len(y)]), then the tile's counter at cnt_ptr + tile raised (acq_rel,
+        after a CTA barrier: every warp's stores first, as CUTLASS's split-K semaphore) -> (whether this program
+        arrived second, y + the other's sums: the same bits whichever arrived first, as a + b = b + a). The one that
+        arrived second finishes the tile and calls `_split_done`; the other's sum is read either way (its slot
+        may be unwritten then: the value is not used)."""
+        rows = gl.arange(0, y.shape[0], layout=y.type.layout)
+        gl.store(part_ptr + (z * tiles + tile).to(gl.int64) * y.shape[0] + rows, y)
+        _cta_barrier()
+        second = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == 1
+        other = gl.load(part_ptr + ((1 - z) * tiles + tile).to(gl.int64) * y.shape[0] + rows, cache_modifier=".cg")
+        return second, y + other
+
+    @gluon.jit
+    def _split_done(cnt_ptr, tile):
+        gl.store(cnt_ptr + tile, 0)     # the counter ready for the next call
+
     @gluon.jit
     def _step(acc, codes, sc, base, x_smem, u, zero):
         a0, a1 = _unpack(codes, sc.to(gl.int32) - gl.expand_dims(base, 1))
         return acc + _step_mma(a0, a1, x_smem, u, zero)
 
     @gluon.jit
+    def _gate_up_out(v, r_row, xe_ptr, rw_ptr, hp_ptr, he_ptr, tok, p, rb, limit, I: gl.constexpr,
+                     TH: gl.constexpr, HAS_LIMIT: gl.constexpr, H_FP8: gl.constexpr):
+        """The epilogue: v (the 128 rows' sums over the token's terms: 64 gate rows, then their up rows) at the
+        rows' and x's scales, clamped, SiLU, times up and the routing weight -> h in the down kernel's form."""
+        ra = gl.convert_layout(r_row, gl.SliceLayout(1, _ACC), assert_trivial=True)
+        v = v * ((ra - 6) << 23).to(gl.float32, bitcast=True) * gl.load(xe_ptr + tok)
+        gate, up = gl.split(gl.convert_layout(gl.permute(gl.reshape(v, [2, 64]), (1, 0)), _EP))
+        if HAS_LIMIT:
+            gate = gl.minimum(gate, limit)
+            up = gl.minimum(gl.maximum(up, -limit), limit)
+        h = gate / (1.0 + gl.exp(-gate)) * up * gl.load(rw_ptr + p)
+        i = rb * 64 + gl.arange(0, 64, layout=h.type.layout)
+        if H_FP8:   # TH e4m3 terms for the FP8 down kernel, at this program's own 2^X (one per 64 columns of h)
+            ex = _scale_exponent(gl.max(gl.abs(h), axis=0))
+            gl.store(he_ptr + p * (I // 64) + rb, ex)
+            _store_e4m3_terms(hp_ptr, p, i, h * ((127 - ex) << 23).to(gl.float32, bitcast=True), I // 256, TH)
+        else:
+            _store_bf16_terms(hp_ptr, p.to(gl.int64) * (TH * I) + _column_slot(i), h, TH, I)
+
+    @gluon.jit
     def _fp8_gate_up_kernel(x_desc, xe_ptr, ids_ptr, rw_ptr, w1c_ptr, w1s_ptr, w3c_ptr, w3s_ptr, hp_ptr, he_ptr,
-                            c_expert_stride, s_expert_stride, limit,
+                            part_ptr, cnt_ptr, c_expert_stride, s_expert_stride, limit,
                             I: gl.constexpr, HW: gl.constexpr, K: gl.constexpr, T: gl.constexpr, TH: gl.constexpr,
                             HAS_LIMIT: gl.constexpr, PAIR: gl.constexpr, PREFETCH: gl.constexpr,
-                            TILED: gl.constexpr, PDL: gl.constexpr, H_FP8: gl.constexpr = False):
+                            TILED: gl.constexpr, PDL: gl.constexpr, H_FP8: gl.constexpr = False,
+                            SPLIT: gl.constexpr = 1):
         pdl_start(PDL)
-        STEPS: gl.constexpr = HW // 16
+        STEPS: gl.constexpr = HW // 16 // SPLIT     # K steps of this program (SPLIT programs share a row block)
         p = gl.program_id(0)                        # (token, expert) pair, t * K + j
         rb = gl.program_id(1)                       # rows 64 rb .. 64 rb + 63 of I
         tok = p // K
@@ -306,7 +361,7 @@ if HAVE_GLUON:
         w = gl.arange(0, 16, layout=gl.SliceLayout(0, _LW))
         row = rb * 64 + m % 64
         wc = gl.where(m < 64, w1c_ptr, w3c_ptr) + e * c_expert_stride
-        if TILED:   # tile (row // 16, u) of 256 words at (row // 16 * STEPS + u) * 256, row % 16 at 16 words each
+        if TILED:   # tile (row // 16, u) of 256 words at (row // 16 * HW / 16 + u) * 256, row % 16 at 16 words each
             c_ptrs = (gl.expand_dims(wc + (row // 16).to(gl.int64) * (16 * HW) + (row % 16) * 16, 1)
                       + gl.expand_dims(w, 0))
         else:
@@ -316,12 +371,18 @@ if HAVE_GLUON:
         grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
         ws = gl.where(mg < 64, w1s_ptr, w3s_ptr) + e * s_expert_stride + (rb * 64 + mg % 64) * (HW // 2)
         s_ptrs = gl.expand_dims(ws, 1) + gl.expand_dims(grp, 0)
+        first = tok * (2 * SPLIT * STEPS)           # the token's first box of x terms
+        if SPLIT > 1:                               # steps u0 .. u0 + STEPS - 1 of the row
+            u0 = gl.program_id(2) * STEPS
+            c_ptrs += u0 * C_STEP
+            s_ptrs += u0 * 8
+            first += 2 * u0
 
         codes, sc = _load_step(c_ptrs, s_ptrs, 0, C_STEP)
         if PAIR or PREFETCH == 2:
             codes_b, sc_b = _load_step(c_ptrs, s_ptrs, 1, C_STEP)
         # x's terms -> shared memory (after the first code loads are issued)
-        x_smem = _stage_terms(x_desc, tok * 2 * STEPS, 2 * STEPS)
+        x_smem = _stage_terms(x_desc, first, 2 * STEPS)
         # R of each row: the largest of its 128 scale bytes, one line, which the first steps' scale loads have
         # asked for already. Here, after the wait: computed before it, the build took 127 registers, not 70
         mr = gl.arange(0, 128, layout=gl.SliceLayout(1, _LR))
@@ -358,20 +419,15 @@ if HAVE_GLUON:
 
         n = gl.arange(0, 8, layout=gl.SliceLayout(0, _ACC))
         v = gl.sum(gl.where(gl.expand_dims(n < T, 0), acc, 0.0), axis=1)
-        ra = gl.convert_layout(r_row, gl.SliceLayout(1, _ACC), assert_trivial=True)
-        v = v * ((ra - 6) << 23).to(gl.float32, bitcast=True) * gl.load(xe_ptr + tok)
-        gate, up = gl.split(gl.convert_layout(gl.permute(gl.reshape(v, [2, 64]), (1, 0)), _EP))
-        if HAS_LIMIT:
-            gate = gl.minimum(gate, limit)
-            up = gl.minimum(gl.maximum(up, -limit), limit)
-        h = gate / (1.0 + gl.exp(-gate)) * up * gl.load(rw_ptr + p)
-        i = rb * 64 + gl.arange(0, 64, layout=h.type.layout)
-        if H_FP8:   # TH e4m3 terms for the FP8 down kernel, at this program's own 2^X (one per 64 columns of h)
-            ex = _scale_exponent(gl.max(gl.abs(h), axis=0))
-            gl.store(he_ptr + p * (I // 64) + rb, ex)
-            _store_e4m3_terms(hp_ptr, p, i, h * ((127 - ex) << 23).to(gl.float32, bitcast=True), I // 256, TH)
-        else:
-            _store_bf16_terms(hp_ptr, p.to(gl.int64) * (TH * I) + _column_slot(i), h, TH, I)
+        if SPLIT == 1:
+            _gate_up_out(v, r_row, xe_ptr, rw_ptr, hp_ptr, he_ptr, tok, p, rb, limit, I, TH, HAS_LIMIT, H_FP8)
+        else:       # the second of the row block's two programs to finish adds the other's sums and writes h
+            tile = p * gl.num_programs(1) + rb
+            second, v = _split_sum(v, part_ptr, cnt_ptr, tile, gl.num_programs(0) * gl.num_programs(1),
+                                   gl.program_id(2))
+            if second:
+                _gate_up_out(v, r_row, xe_ptr, rw_ptr, hp_ptr, he_ptr, tok, p, rb, limit, I, TH, HAS_LIMIT, H_FP8)
+                _split_done(cnt_ptr, tile)
 
 
 def terms_descriptor(terms: torch.Tensor) -> "TensorDescriptor":
@@ -398,20 +454,42 @@ def gate_up(xq: torch.Tensor, xe: torch.Tensor, ids: torch.Tensor, rw: torch.Ten
     them (int32 codes [E, I, H/16], uint8 scales; w1 and w3 sharing strides); variant None: `variant_for` the
     token count."""
     n = xe.shape[0]
-    variant = variant if variant is not None else variant_for(n)
     inter, hw = w1c.shape[1], w1c.shape[2]
+    variant = variant if variant is not None else variant_for(n, hidden=16 * hw)
+    if variant.split not in (1, 2) or hw % (16 * variant.split * (2 if variant.pair else 1)):
+        raise ValueError(f"{variant}: H = {16 * hw} is not {variant.split} programs' whole pairs of K steps")
     if fp8_h:
         hp = out if out is not None else empty_h(n * k, inter, xq.device)
         h_args, th = hp, TERMS
     else:
         hp = torch.empty((n * k, th, inter // 16, 8), dtype=torch.int32, device=xq.device) if out is None else out
         h_args = (hp.view(torch.int16), hp)   # the second: no exponents to write
-    _fp8_gate_up_kernel[(n * k, inter // ROWS)](
-        terms_descriptor(xq), xe, ids, rw, w1c, w1s, w3c, w3s, *h_args, w1c.stride(0), w1s.stride(0),
+    grid = (n * k, inter // ROWS, variant.split)
+    if variant.split > 1:
+        part = torch.empty((2, grid[0] * grid[1], 128), dtype=torch.float32, device=xq.device)
+        cnt = split_counters(xq.device, grid[0] * grid[1])
+    else:
+        part, cnt = xe, ids             # not read
+    _fp8_gate_up_kernel[grid](
+        terms_descriptor(xq), xe, ids, rw, w1c, w1s, w3c, w3s, *h_args, part, cnt, w1c.stride(0), w1s.stride(0),
         float(limit) if limit else 0.0,
         I=inter, HW=hw, K=k, T=TERMS, TH=th, HAS_LIMIT=bool(limit), PAIR=variant.pair, PREFETCH=variant.prefetch,
-        TILED=variant.tiled, H_FP8=fp8_h, num_warps=8, **pdl_args(xq, _fp8_gate_up_kernel))
+        TILED=variant.tiled, H_FP8=fp8_h, SPLIT=variant.split, num_warps=8, **pdl_args(xq, _fp8_gate_up_kernel))
     return hp
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 [>= tiles] of zeros, kept per device: the arrival counters of split kernels (`_split_sum`), which the
+    program that arrives second resets, so they are zero again for the next call (and a CUDA graph's replays).
+    Outgrown ones are kept too: a captured graph may still point at them. Split calls must not overlap on two
+    streams (the decode's routed experts run on the main stream, one kernel after another)."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < tiles:
+        kept.append(torch.zeros((max(tiles, 4096),), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def build_sm90(variant: Variant = DEFAULT_VARIANT, hidden: int = 4096, inter: int = 2048, k: int = 6, th: int = 2,
@@ -419,10 +497,11 @@ def build_sm90(variant: Variant = DEFAULT_VARIANT, hidden: int = 4096, inter: in
     """The gate-up built for sm_90 (no GPU needed), specialised as a V4-Flash launch."""
     from moebox.ops.triton.runtime import build_sm90 as build
     types = (f"tensordesc<fp8e4nv[1, 8, 128],{_XD.value!r}>", "*fp32", "*i64", "*fp32", "*i32", "*u8", "*i32", "*u8",
-             "*fp8e4nv" if fp8_h else "*i16", "*i32", "i32", "i32", "fp32")
+             "*fp8e4nv" if fp8_h else "*i16", "*i32", "*fp32", "*i32", "i32", "i32", "fp32")
     sig = dict(zip(_fp8_gate_up_kernel.arg_names, types))
     const = dict(I=inter, HW=hidden // 16, K=k, T=TERMS, TH=TERMS if fp8_h else th, HAS_LIMIT=True,
-                 PAIR=variant.pair, PREFETCH=variant.prefetch, TILED=variant.tiled, PDL=True, H_FP8=fp8_h)
+                 PAIR=variant.pair, PREFETCH=variant.prefetch, TILED=variant.tiled, PDL=True, H_FP8=fp8_h,
+                 SPLIT=variant.split)
     return build(_fp8_gate_up_kernel, sig, const, [a for a, ty in sig.items() if ty[0] in "*i"], num_warps=8)
 
 

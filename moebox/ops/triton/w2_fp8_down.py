@@ -73,10 +73,9 @@ if w2_fp8.HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from moebox.ops.triton.runtime import pdl_start
-    from moebox.ops.triton.w2_fp8 import (_ACC, _LG, _LR, _LW, _XS, _row_max_scale, _stage_terms, _step_mma,
-                                          _tma_load, _unpack)
+    from moebox.ops.triton.w2_fp8 import (_ACC, _LG, _LR, _LW, _XS, _cta_barrier, _row_max_scale, _split_done,
+                                          _split_sum, _stage_terms, _step_mma, _tma_load, _unpack)
 
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier     # Triton 3.9 | 3.6
     _L1 = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))   # a pair's chunk exponents (replicated)
 
     @gluon.jit
@@ -190,35 +189,17 @@ if w2_fp8.HAVE_GLUON:
         if SPLIT == 1:
             gl.store(dst, y.to(out_ptr.dtype.element_ty))
         else:   # two programs a token and row block: the second to finish adds the first's sum and writes
-            hidden = gl.num_programs(1) * 128
-            z = gl.program_id(2)
-            gl.store(part_ptr + (z * gl.num_programs(0) + tok).to(gl.int64) * hidden + rows, y)
-            _cta_barrier()              # every warp's partial stored before the release below
-            tile = cnt_ptr + tok * gl.num_programs(1) + rb
-            if gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == 1:
-                other = gl.load(part_ptr + ((1 - z) * gl.num_programs(0) + tok).to(gl.int64) * hidden + rows,
-                                cache_modifier=".cg")
-                gl.store(dst, (y + other).to(out_ptr.dtype.element_ty))   # a + b == b + a: either order
-                gl.store(tile, 0)       # ready for the next call
+            tile = tok * gl.num_programs(1) + rb
+            second, y = _split_sum(y, part_ptr, cnt_ptr, tile, gl.num_programs(0) * gl.num_programs(1),
+                                   gl.program_id(2))
+            if second:
+                gl.store(dst, y.to(out_ptr.dtype.element_ty))
+                _split_done(cnt_ptr, tile)
 
 
 def _options(ring: bool, split: int) -> dict:
     """The launch's compile options: the register cap of the ring and of the split (three programs an SM)."""
     return {"maxnreg": RING_REGISTERS} if ring or split > 1 else {}
-
-
-_COUNTERS: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, tokens: int, blocks: int) -> torch.Tensor:
-    """int32 [>= tokens, blocks] of zeros, kept per device: the split's arrival counters, which the second program
-    of each (token, row block) resets, so they are zero again for the next call (and a CUDA graph's replays).
-    Outgrown ones are kept too: a captured graph may still point at them. Calls must not overlap on two streams
-    (the decode's routed experts run on the main stream, one layer after another)."""
-    kept = _COUNTERS.setdefault((device, blocks), [])
-    if not kept or kept[-1].shape[0] < tokens:
-        kept.append(torch.zeros((max(tokens, 16), blocks), dtype=torch.int32, device=device))
-    return kept[-1]
 
 
 def split_for(k: int, ring: bool) -> int:
@@ -245,7 +226,7 @@ def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tenso
         raise ValueError(f"split {split}: 1, or 2 with h staged whole and an even k (k = {k}, ring = {ring})")
     if split == 2:
         part = torch.empty((2, n, hidden), dtype=torch.float32, device=out.device)
-        cnt = _split_counters(out.device, n, hidden // ROWS)
+        cnt = w2_fp8.split_counters(out.device, n * (hidden // ROWS))
     else:
         part, cnt = out, ids        # not read
     _fp8_down_kernel[(n, hidden // ROWS, split)](

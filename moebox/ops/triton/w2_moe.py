@@ -701,7 +701,7 @@ def _decode_mma(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w1c: torch
     hp = None
     if w2_fp8.fp8_gate_up_takes(x, hidden, inter, cfg.fp8_gate_up):   # Hopper: e4m3 into wgmma
         xq = xp if isinstance(xp, tuple) else w2_fp8.pack_x(x)
-        variant = w2_fp8.variant_for(n)._replace(tiled=tiled)
+        variant = w2_fp8.variant_for(n, tiled, hidden)
 
         def gate_up(fp8_h: bool):
             return w2_fp8.gate_up(*xq, ids, rw, w1c, w1s, w3c, w3s, limit, k, th=2, variant=variant, fp8_h=fp8_h)
