@@ -13,7 +13,7 @@
 #                                       # or with each of AB (e.g. AB="MOEBOX_PDL=0 MOEBOX_PDL=1
 #                                       # MOEBOX_PDL=1,TORCHINDUCTOR_ENABLE_PDL=1 MOEBOX_ROUTE_KERNEL=0"; AB_BATCH
 #                                       # and AB_CONTEXT change the batch sizes and the context; `default`: no
-#                                       # switch)
+#                                       # switch; AB_LAYERS: fewer main layers, e.g. 36 to fit an H100)
 #   bash bench/gpu_session.sh probetests # the GPU tests of the side streams' priority, the key store and router
 #                                       # kernels, the early fork (MOEBOX_SIDE_PRIORITY, MOEBOX_KEYS_KERNEL,
 #                                       # MOEBOX_ROUTER_KERNEL, MOEBOX_EARLY_FORK)
@@ -85,7 +85,7 @@ decode_switch() {             # decode_switch NAME SIZES SWITCH: the decode benc
     [ "$3" != default ] && envs=$(assignments "$3")
     # shellcheck disable=SC2086  # envs holds several assignments, the sizes several numbers
     step "decode-$1" env $envs python3 -m moebox.bench.decode decode --context "${AB_CONTEXT:-4096}" \
-        --batch ${AB_BATCH:-$2} --no-breakdown
+        --batch ${AB_BATCH:-$2} --no-breakdown ${AB_LAYERS:+--layers $AB_LAYERS}
     decode_row "$2" "$3"
 }
 
@@ -118,7 +118,8 @@ tests)
     # shellcheck disable=SC2086  # quiet: one flag or none
     step gpu-tests timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest $quiet -m gpu -p no:cacheprovider -W ignore -rf \
         ${PYTEST_ARGS:-} ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests/test_triton_compress_decode.py tests/test_triton_decode_attention.py tests/test_triton_fp8.py \
-        tests/test_triton_w2.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py tests/test_triton_route.py \
+        tests/test_triton_w2.py tests/test_triton_w2_fp8.py tests/test_triton_w2_prefill.py tests/test_triton_mhc.py \
+        tests/test_triton_route.py \
         tests/test_triton_pdl.py tests/test_prefill_attention.py tests/test_triton_topk.py tests/test_streams.py \
         tests/test_triton_rms_norm.py tests/test_triton_index_scores.py tests/test_triton_fp8_mma.py \
         tests/test_triton_fp8_norm.py tests/test_triton_rope.py tests/test_bench.py tests/test_cuda.py}
