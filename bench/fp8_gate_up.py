@@ -54,14 +54,17 @@ def check(variant: Variant, hidden: int = 4096, inter: int = 2048, experts: int 
     ids, rw = w2_moe.random_routing(tokens, experts, k, device=device)
     x = torch.randn((tokens, hidden), device=device).to(torch.bfloat16)
     ref = gate_up_reference(x.float(), ids, rw, *planes, limit, quantized=False).float()
+    ops = _operands(planes, variant.tiled)
     hs = []
-    for _ in range(2):      # a second call into a new poisoned buffer: the same bits (a split's counters reset)
+    # a second call into a new poisoned buffer, after one on other x: the same bits (a split's counters reset, its
+    # scratch then holds the other call's sums)
+    for xi in (x, -x, x):
         out = torch.full((tokens * k, 2, inter // 16, 8), -1, dtype=torch.int32, device=device)   # NaN bf16 terms
-        hp = w2_fp8.gate_up(*w2_fp8.pack_x(x), ids.reshape(-1), rw.reshape(-1).float(),
-                            *_operands(planes, variant.tiled), limit, k, th=2, variant=variant, out=out)
+        hp = w2_fp8.gate_up(*w2_fp8.pack_x(xi), ids.reshape(-1), rw.reshape(-1).float(), *ops, limit, k, th=2,
+                            variant=variant, out=out)
         hs.append(h_from_terms(hp, inter))
         assert torch.isfinite(hs[-1]).all(), f"{int((~torch.isfinite(hs[-1])).sum())} elements not written"
-    assert torch.equal(*hs), "a second call gave another h"
+    assert torch.equal(hs[0], hs[2]), "a second call gave another h"
     return float((hs[0] - ref).abs().max() / ref.abs().max())
 
 
@@ -118,13 +121,13 @@ def check_down(tokens: int = 3, hidden: int = 4096, inter: int = 2048, experts: 
     ref_h = gate_up_reference(x.float(), ids, rw, *planes, limit, quantized=False)
     codes = w2_moe.tile_codes(w2c) if tiled else w2c
     outs = []
-    for _ in range(2):
+    for hi in (hq, (-hq.float()).to(hq.dtype), hq):    # the middle call on -h: other sums in a split's scratch
         out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
-        w2_fp8_down.down(hq, he, flat, codes.view(torch.int32), w2s.view(torch.uint8), out, k, ring=ring, tiled=tiled,
+        w2_fp8_down.down(hi, he, flat, codes.view(torch.int32), w2s.view(torch.uint8), out, k, ring=ring, tiled=tiled,
                          split=split)
         assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).sum())} elements of out not written"
         outs.append(out)
-    assert torch.equal(*outs), "a second call gave another output"
+    assert torch.equal(outs[0], outs[2]), "a second call gave another output"
     ref = torch.zeros((tokens, hidden), dtype=torch.float64, device=device)
     for p, e in enumerate(flat.tolist()):
         ref[p // k] += W2Tensor(w2c[e], w2s[e]).dequantize(torch.float64) @ h[p].double()

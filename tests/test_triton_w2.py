@@ -306,7 +306,9 @@ def _check_gpu(shape: dict, n: int, dtype: torch.dtype, limit: float | None,
     ref = w2_moe_decode_reference(x.float(), ids, w, *planes, limit)  # fp32 reference on the same inputs
     tol = TOL[dtype]
     first = None
-    for _ in range(2):  # a second run into a re-poisoned buffer: nothing stale is left, the result is the same
+    for run in range(2):  # a second run into a re-poisoned buffer: nothing stale is left, the result is the same
+        if run:     # a call on other x in between: a split's scratch then holds other sums than this call's
+            w2_moe_decode_triton(-x, ids, w, *kernel_planes, limit, config=config, tiled=tiled)
         out = torch.full((n, hidden), float("nan"), device="cuda", dtype=dtype)
         y = w2_moe_decode_triton(x, ids, w, *kernel_planes, limit, out=out, config=config, tiled=tiled)
         torch.cuda.synchronize()
@@ -334,11 +336,46 @@ def test_gpu_decode_matches_reference(shape: dict, n: int, dtype: torch.dtype) -
 @pytest.mark.parametrize("n", [1, 3, 8, 16])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_decode_on_codes_tile_by_tile_matches_reference(n: int) -> None:
+def test_gpu_decode_on_codes_tile_by_tile_matches_reference(n: int, monkeypatch) -> None:
     """Codes stored tile by tile: each token count's kernels (on sm_90 the mma gate-up at 1 token, the FP8 gate-up
-    and mma down at 3, both FP8 kernels from 8) read them right, and fp32 x's mma kernels at every count."""
+    and mma down at 3, both FP8 kernels from 8) read them right, and fp32 x's mma kernels at every count; no
+    kernel fell back to another (`kernel_or_fallback`), and the FP8 ones were asked for tile order."""
+    seen = _fp8_calls(monkeypatch)
     _check_gpu(V4_FLASH, n, torch.bfloat16, limit=3.0, tiled=True)
     _check_gpu(SMALL, n, torch.float32, limit=3.0, tiled=True)
+    _assert_fp8_calls(seen, n, tiled=True, split=1, gate_up=n >= 2)
+
+
+def _fp8_calls(monkeypatch) -> dict:
+    """Record the FP8 kernels' calls (gate-up variants, down `tiled` flags) and start a fresh record of kernels
+    given up for their fallbacks (`runtime._failed`): a test whose kernel fell back would test the fallback."""
+    from moebox.ops.triton import runtime, w2_fp8, w2_fp8_down
+    monkeypatch.setattr(runtime, "_failed", {})
+    seen: dict = {"gate_up": [], "down": [], "failed": runtime._failed}
+    gate_up, down = w2_fp8.gate_up, w2_fp8_down.down
+
+    def record_gate_up(*a, **kw):
+        seen["gate_up"].append(kw["variant"])
+        return gate_up(*a, **kw)
+
+    def record_down(*a, **kw):      # a[6]: k
+        seen["down"].append((kw["tiled"], w2_fp8_down.split_for(a[6], False)))
+        return down(*a, **kw)
+    monkeypatch.setattr(w2_fp8, "gate_up", record_gate_up)
+    monkeypatch.setattr(w2_fp8_down, "down", record_down)
+    return seen
+
+
+def _assert_fp8_calls(seen: dict, n: int, tiled: bool, split: int, gate_up: bool = True) -> None:
+    """No kernel fell back; on sm_90 the FP8 gate-up ran (where `gate_up`) and the FP8 down from 8 tokens, in the
+    order and split asked for."""
+    from moebox.ops.triton.runtime import compute_capability
+    from moebox.ops.triton.w2_fp8 import HAVE_GLUON
+    assert not seen["failed"], seen["failed"]
+    if not HAVE_GLUON or compute_capability(torch.device("cuda")) != (9, 0):
+        return                      # the FP8 kernels are Hopper's
+    assert bool(seen["gate_up"]) == gate_up and all(v.tiled == tiled and v.split == split for v in seen["gate_up"])
+    assert bool(seen["down"]) == (n >= 8) and all(d == (tiled, split) for d in seen["down"]), seen
 
 
 @pytest.mark.parametrize("tiled", [False, True])
@@ -351,7 +388,9 @@ def test_gpu_decode_with_the_fp8_splits_matches_reference(n: int, tiled: bool, m
     within bf16 rounding, the same bits on a second call."""
     for switch in ("MOEBOX_FP8_GATE_UP_SPLIT", "MOEBOX_FP8_DOWN_SPLIT", "MOEBOX_FP8_GATE_UP"):
         monkeypatch.setenv(switch, "1")
+    seen = _fp8_calls(monkeypatch)
     _check_gpu(V4_FLASH, n, torch.bfloat16, limit=3.0, tiled=tiled)
+    _assert_fp8_calls(seen, n, tiled=tiled, split=2)
 
 
 @pytest.mark.parametrize("config", [cfg for _, cfg in SWEEP if cfg != DEFAULT_CONFIG],
@@ -454,6 +493,22 @@ def test_mma_kernels_on_codes_tile_by_tile_in_triton_interpreter() -> None:
             mask[:, v.storage_offset() % shape.stride:][:, :v[0].numel()] = False
         assert all(torch.equal(a, tile_codes(b)) for a, b in zip(views[::2], old[::2]))
         assert torch.equal(buf[mask], before[mask])
+        # quantized experts in a layer buffer, relaid in place, read through its zero-copy views
+        g = torch.Generator().manual_seed(1)
+        experts = [tuple(from_float(torch.randn(s, generator=g) * 0.05) for s in ((inter, hidden), (inter, hidden),
+                   (hidden, inter))) for _ in range(e)]
+        buf = torch.zeros(e, shape.stride, dtype=torch.uint8)
+        for i, planes in enumerate(experts):
+            raw = b"".join(bytes(p) for p in slot_buffers(planes, shape))
+            buf[i, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        tile_layer_codes(buf, hidden, inter)
+        ids, w = random_routing(2, e, 2, seed=6)
+        x = torch.randn(2, hidden)
+        y = w2_moe_decode_split(x, ids, w, *layer_views(buf, hidden, inter), 10.0, tiled=True)
+        ref = w2_moe_decode_reference(x, ids, w, *stack_planes(experts), 10.0)
+        results.append(dict(case="tiled layer views", same_buffer=True, finite=bool(torch.isfinite(y).all()),
+                            rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
+        views = layer_views(buf, hidden, inter)
         try:
             w2_moe_decode_split(torch.randn(1, hidden), torch.tensor([[0]]), torch.ones(1, 1), *views, 10.0,
                                 config=DecodeConfig(variant="fma"), tiled=True)

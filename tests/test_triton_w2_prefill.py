@@ -83,17 +83,28 @@ _INTERPRETER = textwrap.dedent("""
                             same_buffer=y.dtype == dtype and y.shape == x.shape,
                             finite=bool(torch.isfinite(y).all()), rel=float((y.float() - ref).norm() / ref.norm()),
                             ref_norm=float(ref.norm())))
-    # codes stored tile by tile (the "rows" variant; H and I of two K tiles, so the order differs from row-major)
-    from moebox.ops.triton.w2_moe import tile_codes
+    # codes stored tile by tile (the "rows" variant; H and I of two K tiles, so the order differs from row-major):
+    # stacked planes, and a layer buffer relaid in place (`tile_layer_codes`) read through its views
+    from moebox.ops.triton.w2_moe import tile_codes, tile_layer_codes
     hidden, inter, e, k, n = 512, 512, 3, 2, 20
-    planes = stack_planes(experts_from_float(e, hidden, inter))
+    experts = experts_from_float(e, hidden, inter)
+    planes = stack_planes(experts)
+    shape = StoreShape(layers=1, experts=e, hidden=hidden, intermediate=inter)
+    buf = torch.zeros(e, shape.stride, dtype=torch.uint8)
+    for i, p in enumerate(experts):
+        raw = b"".join(bytes(t) for t in slot_buffers(p, shape))
+        buf[i, :len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    tile_layer_codes(buf, hidden, inter)
     ids, w = random_routing(n, e, k, seed=4)
     x = torch.randn(n, hidden)
-    y = w2_moe_prefill(x, ids, w, tile_codes(planes[0]), planes[1], tile_codes(planes[2]), planes[3], 10.0,
-                       config=PrefillConfig(block_m=16, block_n=32, variant="rows"), tiled=True)
     ref = w2_moe_decode_reference(x, ids, w, *planes, 10.0)
-    results.append(dict(case="tiled", same_buffer=True, finite=bool(torch.isfinite(y).all()),
-                        rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
+    rows = PrefillConfig(block_m=16, block_n=32, variant="rows")
+    for case, y in (("tiled", w2_moe_prefill(x, ids, w, tile_codes(planes[0]), planes[1], tile_codes(planes[2]),
+                                             planes[3], 10.0, config=rows, tiled=True)),
+                    ("tiled layer views", w2_moe_prefill_split(x, ids, w, *layer_views(buf, hidden, inter), 10.0,
+                                                               config=rows, tiled=True))):
+        results.append(dict(case=case, same_buffer=True, finite=bool(torch.isfinite(y).all()),
+                            rel=float((y - ref).norm() / ref.norm()), ref_norm=float(ref.norm())))
     # zero-copy plane-store layer views (expert stride = the slot)
     hidden, inter, e, k, n = 64, 64, 4, 2, 24
     experts = experts_from_float(e, hidden, inter)

@@ -488,6 +488,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     streams (the decode's routed experts run on the main stream, one kernel after another)."""
     kept = _COUNTERS.setdefault(device, [])
     if not kept or kept[-1].numel() < tiles:
+        if torch.cuda.is_current_stream_capturing():    # its zeros would come only with the graph's first replay
+            raise RuntimeError(f"a split kernel of {tiles} tiles first ran inside a CUDA graph capture: run it once "
+                               "before capturing (as the decode graphs' warm-up does)")
         kept.append(torch.zeros((max(tiles, 4096),), dtype=torch.int32, device=device))
     return kept[-1]
 

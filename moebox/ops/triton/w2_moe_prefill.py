@@ -349,7 +349,7 @@ def bench(tokens: tuple[int, ...] = (256, 2048, 8192), hidden: int = 4096, inter
     from moebox.ops.triton.w2_moe import tile_codes
     bench_start()
     planes = random_planes(experts, hidden, inter, device="cuda")
-    tiled_planes = (tile_codes(planes[0]), planes[1], tile_codes(planes[2]), planes[3])
+    tiled_planes = (tile_codes(planes[0]), planes[1], tile_codes(planes[2]), planes[3]) if tiled else None
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = triton.testing.do_bench(lambda: a @ a, warmup=5, rep=50)
     mm_rate = 2 * 8192 ** 3 / (mm_ms * 1e-3)
