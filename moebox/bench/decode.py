@@ -438,6 +438,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moebox.bench.synthetic import synthetic_weights
     from moebox.errors import MoeboxError
+    from moebox.ops.triton.w2_moe import tile_order_fits
     if args.what == "spec":
         from moebox.bench import spec
         return spec.run(args)
@@ -448,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoeboxError("--tiled-codes: the kernels that read codes tile by tile run on CUDA (on the CPU the "
                           "reference reads row-major copies: nothing to time); use --device cuda or drop the flag")
     cfg = parse_config(preset_config(args.preset, args.layers))
-    if args.tiled_codes and (cfg.hidden_size % 256 or cfg.moe_intermediate_size % 256):
+    if args.tiled_codes and not tile_order_fits(cfg.hidden_size, cfg.moe_intermediate_size):
         raise MoeboxError(f"--tiled-codes: the {args.preset} preset's experts ({cfg.hidden_size} x "
                           f"{cfg.moe_intermediate_size}) are not multiples of 256, which the kernels that read codes "
                           "tile by tile need; use --preset small or flash")

@@ -7,7 +7,6 @@ batch on CUDA also routes in one Triton kernel."""
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -17,7 +16,7 @@ from moebox.model.attention import WeightSource
 from moebox.ops.linear import SharedInputLinear, linear, logits_linear
 from moebox.ops.moe import route, route_from_logits, routed_experts, swiglu
 from moebox.ops.streams import Branch
-from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on
+from moebox.ops.triton.runtime import kernel_or_fallback, kernel_switched_on, opt_in
 
 
 DECODE_TOKENS = 16     # up to this many tokens, w2 experts on CUDA run the fused Triton decode kernels
@@ -52,10 +51,11 @@ class MoE:
         K step of the expert kernels is one contiguous KB. Off by default until a decode step shows it wins
         (docs/benchmarks.md); shapes that are not multiples of 256 (the fma kernels') stay row-major."""
         cfg, buf = self.cfg, self.layer_planes
-        if (os.environ.get("MOEBOX_TILED_CODES", "0") != "1" or buf is None or not buf.is_cuda
-                or cfg.hidden_size % 256 or cfg.moe_intermediate_size % 256):
+        if not opt_in("MOEBOX_TILED_CODES") or buf is None or not buf.is_cuda:
             return False
-        from moebox.ops.triton.w2_moe import tile_layer_codes
+        from moebox.ops.triton.w2_moe import tile_layer_codes, tile_order_fits
+        if not tile_order_fits(cfg.hidden_size, cfg.moe_intermediate_size):
+            return False
         tile_layer_codes(buf, cfg.hidden_size, cfg.moe_intermediate_size)
         return True
 

@@ -82,6 +82,11 @@ def pdl_held(kernel: Any) -> bool:
     return getattr(kernel, "fn", kernel).__name__ in os.environ.get("MOEBOX_PDL_HOLD", "").split(",")
 
 
+def opt_in(switch: str) -> bool:
+    """Whether the environment turns on a path that is off by default: `switch` (e.g. MOEBOX_TILED_CODES) is 1."""
+    return os.environ.get(switch, "0") == "1"
+
+
 def default_hold(when: bool, switch: str) -> bool:
     """A hold that measurements made a kernel's default (`pdl_args`' `hold`): `when`, unless the environment sets
     `switch` (e.g. MOEBOX_GEMV_HOLD) to 0, which lets the dependent launch at the kernel's start again."""
@@ -316,8 +321,8 @@ else:
     pdl_start = device_exp = device_cos = device_sin = None
 
 
-__all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "decode_kernel_takes", "triton", "tl",
-           "num_sms", "interpreting", "env_count", "early_loads", "versions", "bench_start", "graph_us",
+__all__ = ["HAVE_TRITON", "kernel_or_fallback", "kernel_switched_on", "opt_in", "decode_kernel_takes", "triton",
+           "tl", "num_sms", "interpreting", "env_count", "early_loads", "versions", "bench_start", "graph_us",
            "build_sm90", "cubin_dump",
            "packed_asm_layout", "loop_sass", "cdiv", "next_pow2", "plain_tensor", "rel_err", "pdl_switched_on",
            "pdl_enabled", "pdl_args", "pdl_held", "default_hold", "pdl_start", "PDL_HOLD", "device_exp",

@@ -46,12 +46,11 @@ at three an SM (72 registers)."""
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-from moebox.ops.triton.runtime import HAVE_TRITON, compute_capability, kernel_switched_on, pdl_args
+from moebox.ops.triton.runtime import HAVE_TRITON, compute_capability, kernel_switched_on, opt_in, pdl_args
 
 try:    # Gluon (Triton >= 3.5) with Hopper's TMA and wgmma
     from triton.experimental import gluon
@@ -95,7 +94,7 @@ def variant_for(tokens: int, tiled: bool = False, hidden: int = 4096) -> Variant
     MOEBOX_FP8_GATE_UP_SPLIT=1 each row block's K split over two programs where H holds two programs' pairs
     (opt-in, not yet timed: at one token the grid is 192 programs, each a chain of 8 pairs' load latencies; split,
     pairs one ahead, 72 registers: its 384 programs fit one wave at three an SM, where two ahead's 101 take two)."""
-    if os.environ.get("MOEBOX_FP8_GATE_UP_SPLIT", "0") == "1" and hidden % (4 * STEP) == 0:
+    if opt_in("MOEBOX_FP8_GATE_UP_SPLIT") and hidden % (4 * STEP) == 0:
         return DEFAULT_VARIANT._replace(tiled=tiled, split=2)
     return (ONE_TOKEN_VARIANT if tokens == 1 else DEFAULT_VARIANT)._replace(tiled=tiled)
 
@@ -465,11 +464,7 @@ def gate_up(xq: torch.Tensor, xe: torch.Tensor, ids: torch.Tensor, rw: torch.Ten
         hp = torch.empty((n * k, th, inter // 16, 8), dtype=torch.int32, device=xq.device) if out is None else out
         h_args = (hp.view(torch.int16), hp)   # the second: no exponents to write
     grid = (n * k, inter // ROWS, variant.split)
-    if variant.split > 1:
-        part = torch.empty((2, grid[0] * grid[1], 128), dtype=torch.float32, device=xq.device)
-        cnt = split_counters(xq.device, grid[0] * grid[1])
-    else:
-        part, cnt = xe, ids             # not read
+    part, cnt = split_scratch(variant.split, grid[0] * grid[1], 128, xq.device, (xe, ids))
     _fp8_gate_up_kernel[grid](
         terms_descriptor(xq), xe, ids, rw, w1c, w1s, w3c, w3s, *h_args, part, cnt, w1c.stride(0), w1s.stride(0),
         float(limit) if limit else 0.0,
@@ -493,6 +488,14 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
                                "before capturing (as the decode graphs' warm-up does)")
         kept.append(torch.zeros((max(tiles, 4096),), dtype=torch.int32, device=device))
     return kept[-1]
+
+
+def split_scratch(split: int, tiles: int, width: int, device: torch.device, unused: tuple) -> tuple:
+    """(fp32 sums [2, tiles, width], arrival counters) for a launch with `split` programs a tile (`_split_sum`);
+    with one, `unused`: two pointers the kernel does not read."""
+    if split == 1:
+        return unused
+    return torch.empty((2, tiles, width), dtype=torch.float32, device=device), split_counters(device, tiles)
 
 
 def build_sm90(variant: Variant = DEFAULT_VARIANT, hidden: int = 4096, inter: int = 2048, k: int = 6, th: int = 2,

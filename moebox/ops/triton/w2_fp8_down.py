@@ -41,15 +41,13 @@ kernel reads w2's codes stored tile by tile (`w2_moe.tile_codes`; the sm_90 buil
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moebox.ops.triton import w2_fp8
-from moebox.ops.triton.runtime import kernel_switched_on, next_pow2, pdl_args
+from moebox.ops.triton.runtime import kernel_switched_on, next_pow2, opt_in, pdl_args
 
 ROWS = 128                  # rows of H a program
-RING_REGISTERS = 80         # a thread's registers with the h ring: 3 programs of 8 warps an SM (65 536 / 768 = 85)
+CAPPED_REGISTERS = 80       # a thread's registers with the h ring or the split: 3 programs of 8 warps an SM (<= 85)
 SMEM_LIMIT = 160 << 10      # bytes of h terms a program may stage (Hopper: 227 KB of shared memory a block)
 
 
@@ -129,7 +127,7 @@ if w2_fp8.HAVE_GLUON:
             c_off = gl.expand_dims((row // 16).to(gl.int64) * (16 * IW) + (row % 16) * 16, 1) + gl.expand_dims(w, 0)
         else:
             c_off = gl.expand_dims(row.to(gl.int64) * IW, 1) + gl.expand_dims(w, 0)
-        C_STEP: gl.constexpr = 256 if TILED else 16
+        C_STEP: gl.constexpr = 256 if TILED else 16     # words from a row's step to the next
         mg = gl.arange(0, 128, layout=gl.SliceLayout(1, _LG))
         grp = gl.arange(0, 8, layout=gl.SliceLayout(0, _LG))
         s_off = gl.expand_dims((rb * 128 + mg) * (IW // 2), 1) + gl.expand_dims(grp, 0)
@@ -199,13 +197,13 @@ if w2_fp8.HAVE_GLUON:
 
 def _options(ring: bool, split: int) -> dict:
     """The launch's compile options: the register cap of the ring and of the split (three programs an SM)."""
-    return {"maxnreg": RING_REGISTERS} if ring or split > 1 else {}
+    return {"maxnreg": CAPPED_REGISTERS} if ring or split > 1 else {}
 
 
 def split_for(k: int, ring: bool) -> int:
     """Programs a token and row block: 2 where MOEBOX_FP8_DOWN_SPLIT is 1, the k experts split evenly and h
     staged whole; else 1."""
-    return 2 if os.environ.get("MOEBOX_FP8_DOWN_SPLIT", "0") == "1" and k % 2 == 0 and not ring else 1
+    return 2 if opt_in("MOEBOX_FP8_DOWN_SPLIT") and k % 2 == 0 and not ring else 1
 
 
 def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tensor, w2s: torch.Tensor,
@@ -215,20 +213,16 @@ def down(hq: torch.Tensor, he: torch.Tensor, ids: torch.Tensor, w2c: torch.Tenso
     `w2_fp8.gate_up(..., fp8_h=True)` writes it (hq, he), flat ids [N k] and w2's planes as `w2_moe` takes them
     (int32 codes [E, H, I/16], uint8 scales [E, H, I/32], rows contiguous; tiled: the codes in tile order,
     `w2_moe.tile_codes`). `ring` (default: MOEBOX_FP8_DOWN_RING is 1): h staged two experts at a time, registers
-    capped at `RING_REGISTERS`. `split` (default `split_for`): 2 programs a token and row block, each on half of
+    capped at `CAPPED_REGISTERS`. `split` (default `split_for`): 2 programs a token and row block, each on half of
     its experts (and their h), the second to finish adding the first's fp32 sum (no ring; k even)."""
     n, hidden = out.shape
     iw = w2c.shape[2]
     if ring is None:
-        ring = os.environ.get("MOEBOX_FP8_DOWN_RING", "0") == "1"
+        ring = opt_in("MOEBOX_FP8_DOWN_RING")
     split = split_for(k, ring) if split is None else split
     if split not in (1, 2) or (split == 2 and (ring or k % 2)):
         raise ValueError(f"split {split}: 1, or 2 with h staged whole and an even k (k = {k}, ring = {ring})")
-    if split == 2:
-        part = torch.empty((2, n, hidden), dtype=torch.float32, device=out.device)
-        cnt = w2_fp8.split_counters(out.device, n * (hidden // ROWS))
-    else:
-        part, cnt = out, ids        # not read
+    part, cnt = w2_fp8.split_scratch(split, n * (hidden // ROWS), ROWS, out.device, (out, ids))
     _fp8_down_kernel[(n, hidden // ROWS, split)](
         w2_fp8.terms_descriptor(hq), he, ids, w2c, w2s, out, part, cnt, out.stride(0), w2c.stride(0), w2s.stride(0),
         IW=iw, K=k, T=w2_fp8.TERMS, CHUNKS_P2=next_pow2(iw // 4), RING=ring, TILED=tiled, SPLIT=split, num_warps=8,

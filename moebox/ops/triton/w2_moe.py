@@ -984,6 +984,12 @@ def miss_routes(tokens: int, experts: int, k: int, per_expert: int, l2_miss_byte
     return routes, sum(int(torch.unique(ids).numel()) for ids, _ in routes) * per_expert / calls
 
 
+def tile_order_fits(hidden: int, intermediate: int) -> bool:
+    """Whether an expert's codes can be stored tile by tile for the kernels that read that order: H and I
+    multiples of 256 (whole 16-word K tiles, which the mma kernels take)."""
+    return hidden % 256 == 0 and intermediate % 256 == 0
+
+
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes uint8 [E, rows, cols/4] (rows contiguous within an expert, any expert stride) -> a new contiguous
     tensor of the same bytes tile by tile, viewed [E, rows, cols/4] again: each 16-row block's K tiles of 16 words
